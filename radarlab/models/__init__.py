@@ -1,0 +1,18 @@
+"""The course model and our own forward pass."""
+from radarlab.models.loader import (
+    COURSE_MODEL,
+    ModelNotAvailable,
+    cache_dir,
+    course_model_dir,
+    load_hf,
+    resolve_model,
+)
+
+__all__ = [
+    "COURSE_MODEL",
+    "ModelNotAvailable",
+    "cache_dir",
+    "course_model_dir",
+    "load_hf",
+    "resolve_model",
+]

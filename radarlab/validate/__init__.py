@@ -1,0 +1,1 @@
+"""Validation against real references: transformers (hf.py) and vLLM (vllm.py)."""

@@ -1,0 +1,66 @@
+"""Shared fixtures: the course model loaded once per test session."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import radarlab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+
+
+@pytest.fixture(scope="session")
+def hf_model_and_tokenizer():
+    """transformers' fp32 model with eager (plain-math) attention, and the tokenizer."""
+    from radarlab.models.loader import load_hf
+
+    return load_hf(None, dtype=torch.float32, attn_implementation="eager")
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_model_and_tokenizer):
+    return hf_model_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(hf_model_and_tokenizer):
+    return hf_model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="session")
+def model(hf_model):
+    """Our Llama forward with the course model's fp32 weights."""
+    from radarlab.models.llama import Llama
+
+    return Llama.from_hf(hf_model)
+
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "The three primary colors are",
+    "import numpy as np\nx = np.arange(10)\n",
+    "Q: What is 12 times 12?\nA:",
+    "The quick brown fox",
+    "In 1969, the first humans",
+]
+
+
+@pytest.fixture(scope="session")
+def prompts(tokenizer):
+    """Eight fixed prompts as token ids."""
+    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+def pytest_collection_modifyitems(config, items):
+    """vLLM tests skip when .venv-vllm is absent, unless RADARLAB_REQUIRE_VLLM=1 (make test sets it)."""
+    if os.environ.get("RADARLAB_REQUIRE_VLLM") == "1":
+        return
+    from radarlab.validate.vllm import vllm_python
+
+    if vllm_python() is None:
+        skip = pytest.mark.skip(reason="no vLLM environment; run `make vllm`")
+        for item in items:
+            if "vllm" in item.keywords:
+                item.add_marker(skip)
