@@ -1,0 +1,1 @@
+"""Plots and widgets. The numbers behind them are computed elsewhere in radarlab."""
