@@ -35,22 +35,14 @@ def model(hf_model):
     return Llama.from_hf(hf_model)
 
 
-PROMPTS = [
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Once upon a time, in a small village,",
-    "The three primary colors are",
-    "import numpy as np\nx = np.arange(10)\n",
-    "Q: What is 12 times 12?\nA:",
-    "The quick brown fox",
-    "In 1969, the first humans",
-]
 
 
 @pytest.fixture(scope="session")
 def prompts(tokenizer):
     """Eight fixed prompts as token ids."""
-    return [tokenizer(p)["input_ids"] for p in PROMPTS]
+    from radarlab.validate.prompts import VALIDATION_PROMPTS
+
+    return [tokenizer(p)["input_ids"] for p in VALIDATION_PROMPTS]
 
 
 def pytest_collection_modifyitems(config, items):
