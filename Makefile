@@ -43,10 +43,21 @@ test: setup model vllm
 test-fast: setup model
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser" tests
 
-# Learner copies with solutions removed (nbgrader's ClearSolutions).
-exercises: setup
-	$(VENV)/bin/pip install --quiet 'nbgrader==0.9.6'
-	$(VPY) -m radarlab.exercises notebooks notebooks/exercises
+# Learner copies with solutions removed (nbgrader's ClearSolutions). nbgrader is a maintainers' tool:
+# installed into .venv it would add its menus and server extension to the learners' JupyterLab, so it
+# lives in its own small venv (no torch). `python -m` from the repository root finds radarlab there.
+VENV_MAINT := .venv-maint
+NBGRADER_PKG := nbgrader==0.9.6
+EXERCISES_SRC ?= notebooks
+EXERCISES_OUT ?= notebooks/exercises
+
+$(VENV_MAINT)/.installed:
+	test -x $(VENV_MAINT)/bin/python || $(PYTHON) -m venv $(VENV_MAINT)
+	$(VENV_MAINT)/bin/python -m pip install --quiet '$(NBGRADER_PKG)'
+	touch $@
+
+exercises: $(VENV_MAINT)/.installed
+	$(VENV_MAINT)/bin/python -m radarlab.exercises $(EXERCISES_SRC) $(EXERCISES_OUT)
 
 figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
@@ -55,4 +66,4 @@ validate: setup model vllm
 	$(VPY) -m radarlab.validate
 
 clean:
-	rm -rf $(VENV) $(VENV_VLLM)
+	rm -rf $(VENV) $(VENV_VLLM) $(VENV_MAINT)

@@ -1,0 +1,332 @@
+"""The KV-cache calculator: how many bytes one token's keys and values take, and how many streams fit.
+
+Every decoder layer keeps, for every token of context, one key and one value vector per KV head. So
+
+    values per token = layers x kv_heads x head_dim x 2 (K and V)
+    bytes per token  = values per token x bytes per value
+
+FP16/BF16 store 2 bytes per value and FP8 one. INT4 stores half a byte per value, plus, for each group
+of `group_size` values, the fp16 scale and fp16 zero point needed to dequantize it: 4 bytes per group,
+i.e. 0.5 + 4/g bytes per value. Articles often quote the bare 0.5; the calculator shows both.
+
+Sizes are in decimal gigabytes (1 GB = 10^9 bytes), as the article and GPU spec sheets use.
+Everything here is exact integer arithmetic on bytes; rounding happens only when printing.
+Run `python -m radarlab.kvcache.memory --help` for the command-line version.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import sys
+from dataclasses import asdict, dataclass
+
+GB = 10**9  # decimal gigabyte
+GIB = 2**30  # binary gibibyte (what nvidia-smi and torch report)
+
+KV_DTYPES = ("fp16", "bf16", "fp8", "int4")
+# Bytes per stored value, as a fraction (numerator, denominator) so INT4's half byte stays exact.
+_PAYLOAD_BYTES = {"fp16": (2, 1), "bf16": (2, 1), "fp8": (1, 1), "int4": (1, 2)}
+INT4_GROUP_METADATA_BYTES = 4  # one fp16 scale + one fp16 zero point per group
+DEFAULT_GROUP_SIZE = 128
+
+
+def _positive_int(name: str, value) -> int:
+    """Sizes must be whole and positive; say which one is not, since a CLI user passes many."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return int(value)
+
+
+def _check_dtype(kv_dtype: str) -> str:
+    if kv_dtype not in _PAYLOAD_BYTES:
+        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
+    return kv_dtype
+
+
+def _check_group(group_size, head_dim: int) -> int:
+    """INT4 groups run along head_dim, so a group must not straddle two heads."""
+    g = _positive_int("group_size", group_size)
+    if head_dim % g:
+        raise ValueError(
+            f"group_size ({g}) must divide head_dim ({head_dim}): groups are taken along each head's "
+            f"{head_dim} values; try one of {[d for d in (16, 32, 64, 128, 256) if head_dim % d == 0]}"
+        )
+    return g
+
+
+def kv_values_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    """Numbers stored per token of context: one K and one V vector per KV head per layer."""
+    return (_positive_int("layers", layers) * _positive_int("kv_heads", kv_heads)
+            * _positive_int("head_dim", head_dim) * 2)
+
+
+def payload_bytes_per_value(kv_dtype: str) -> float:
+    """2 for fp16/bf16, 1 for fp8, 0.5 for int4 (metadata not included)."""
+    num, den = _PAYLOAD_BYTES[_check_dtype(kv_dtype)]
+    return num / den
+
+
+def int4_overhead_bytes_per_value(group_size: int) -> float:
+    """An fp16 scale and an fp16 zero point shared by each group of g values: 4/g bytes per value."""
+    return INT4_GROUP_METADATA_BYTES / _positive_int("group_size", group_size)
+
+
+def int4_bytes_per_value(group_size: int) -> float:
+    """What INT4 really costs per value once scales and zero points are counted: 0.5 + 4/g."""
+    return 0.5 + int4_overhead_bytes_per_value(group_size)
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """The calculator's answer for one model shape, format and context length. Bytes are exact ints."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    tokens: int
+    kv_dtype: str
+    group_size: int | None  # only for int4
+    payload_bytes_per_token: int
+    overhead_bytes_per_token: int  # int4 scales and zero points; 0 otherwise
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.payload_bytes_per_token + self.overhead_bytes_per_token
+
+    @property
+    def payload_bytes_per_stream(self) -> int:
+        return self.payload_bytes_per_token * self.tokens
+
+    @property
+    def overhead_bytes_per_stream(self) -> int:
+        return self.overhead_bytes_per_token * self.tokens
+
+    @property
+    def bytes_per_stream(self) -> int:
+        return self.bytes_per_token * self.tokens
+
+    @property
+    def gb_per_stream(self) -> float:
+        return self.bytes_per_stream / GB
+
+    @property
+    def payload_gb_per_stream(self) -> float:
+        return self.payload_bytes_per_stream / GB
+
+    @property
+    def overhead_gb_per_stream(self) -> float:
+        return self.overhead_bytes_per_stream / GB
+
+
+def kv_footprint(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
+                 group_size: int | None = DEFAULT_GROUP_SIZE) -> KVFootprint:
+    """Bytes per token and per stream of `tokens` context. group_size matters only for int4."""
+    values = kv_values_per_token(layers, kv_heads, head_dim)
+    tokens = _positive_int("tokens", tokens)
+    _check_dtype(kv_dtype)
+    if group_size is not None:
+        _positive_int("group_size", group_size)
+    elif kv_dtype == "int4":
+        raise ValueError("group_size is required for int4 (values sharing one scale and zero point)")
+    num, den = _PAYLOAD_BYTES[kv_dtype]
+    payload = values * num // den  # values is even (K and V), so int4's half byte divides exactly
+    overhead = 0
+    if kv_dtype == "int4":
+        g = _check_group(group_size, head_dim)
+        overhead = values // g * INT4_GROUP_METADATA_BYTES
+    else:
+        g = None
+    return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, g, payload, overhead)
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str = "fp16",
+                       group_size: int | None = DEFAULT_GROUP_SIZE) -> int:
+    """Total bytes one token of context occupies across all layers (int4 metadata included)."""
+    return kv_footprint(layers, kv_heads, head_dim, 1, kv_dtype, group_size).bytes_per_token
+
+
+def kv_gb_per_stream(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
+                     group_size: int | None = DEFAULT_GROUP_SIZE) -> float:
+    """Decimal GB one stream of `tokens` context holds (int4 metadata included)."""
+    return kv_footprint(layers, kv_heads, head_dim, tokens, kv_dtype, group_size).gb_per_stream
+
+
+def _nonnegative(name: str, value) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must not be negative, got {value}")
+    return float(value)
+
+
+def kv_budget_gb(gpu_mem_gb: float, weights_gb: float = 0.0) -> float:
+    """Memory left for the KV cache: GPU memory minus the weights (negative when weights do not fit)."""
+    gpu = _nonnegative("gpu_mem_gb", gpu_mem_gb)
+    if gpu == 0:
+        raise ValueError("gpu_mem_gb must be positive, got 0")
+    return gpu - _nonnegative("weights_gb", weights_gb)
+
+
+def max_concurrent_streams(gpu_mem_gb: float, weights_gb: float, gb_per_stream: float) -> int:
+    """Whole streams whose full context fits beside the weights. 0 when the weights alone do not fit.
+
+    An upper bound: a real server also needs activations, CUDA graphs and fragmentation headroom
+    (vLLM keeps 1 - gpu_memory_utilization of the GPU free, 10% by default)."""
+    per = _nonnegative("gb_per_stream", gb_per_stream)
+    if per == 0:
+        raise ValueError("gb_per_stream must be positive, got 0")
+    left = kv_budget_gb(gpu_mem_gb, weights_gb)
+    if left <= 0:
+        return 0
+    # Compare in bytes so that 48 GB / 12 GB is exactly 4, not 3.9999.
+    return int(round(left * GB) // round(per * GB))
+
+
+@dataclass(frozen=True)
+class KVModelShape:
+    """The three numbers of a model config that size its KV cache."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+
+def shape_from_hf_config(config) -> KVModelShape:
+    """Read num_hidden_layers, num_key_value_heads and head_dim from a transformers config (or a
+    config.json dict). Older configs have no head_dim (it is hidden_size / num_attention_heads) and
+    models without GQA have no num_key_value_heads (every head keeps its own K and V)."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    text = get("text_config")  # multimodal configs nest the language model's numbers
+    if text is not None and get("num_hidden_layers") is None:
+        return shape_from_hf_config(text)
+    layers = get("num_hidden_layers")
+    if layers is None:
+        raise ValueError("config has no num_hidden_layers; is it a decoder-only language model config?")
+    heads = get("num_attention_heads")
+    kv_heads = get("num_key_value_heads") or heads
+    if kv_heads is None:
+        raise ValueError("config has neither num_key_value_heads nor num_attention_heads")
+    head_dim = get("head_dim")
+    if not head_dim:
+        hidden = get("hidden_size")
+        if hidden is None or not heads:
+            raise ValueError("config has no head_dim, and no hidden_size / num_attention_heads to derive it")
+        if hidden % heads:
+            raise ValueError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
+        head_dim = hidden // heads
+    if heads and heads % kv_heads:
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
+    return KVModelShape(_positive_int("num_hidden_layers", layers), _positive_int("num_key_value_heads", kv_heads),
+                        _positive_int("head_dim", head_dim))
+
+
+def kv_report(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
+              group_size: int | None = DEFAULT_GROUP_SIZE, gpu_mem_gb: float | None = None,
+              weights_gb: float = 0.0) -> dict:
+    """Everything the CLI prints, as plain numbers (what --json writes)."""
+    fp = kv_footprint(layers, kv_heads, head_dim, tokens, kv_dtype, group_size)
+    out = asdict(fp)
+    out.update(
+        values_per_token=kv_values_per_token(layers, kv_heads, head_dim),
+        bytes_per_token=fp.bytes_per_token,
+        payload_bytes_per_stream=fp.payload_bytes_per_stream,
+        overhead_bytes_per_stream=fp.overhead_bytes_per_stream,
+        bytes_per_stream=fp.bytes_per_stream,
+        payload_gb_per_stream=fp.payload_gb_per_stream,
+        overhead_gb_per_stream=fp.overhead_gb_per_stream,
+        gb_per_stream=fp.gb_per_stream,
+    )
+    if gpu_mem_gb is not None:
+        budget = kv_budget_gb(gpu_mem_gb, weights_gb)
+        out.update(
+            gpu_mem_gb=float(gpu_mem_gb),
+            weights_gb=float(weights_gb),
+            kv_budget_gb=budget,
+            weights_fit=budget > 0,
+            max_concurrent_streams=max_concurrent_streams(gpu_mem_gb, weights_gb, fp.gb_per_stream),
+        )
+    return out
+
+
+def format_report(r: dict) -> str:
+    """The human-readable version of kv_report's dict."""
+    fmt = r["kv_dtype"] + (f" (group {r['group_size']})" if r["group_size"] else "")
+    lines = [f"KV cache: {r['layers']} layers x {r['kv_heads']} KV heads x head dim {r['head_dim']} x 2 (K and V), {fmt}"]
+    if r["overhead_bytes_per_token"]:
+        lines.append(f"  bytes per token:  {r['payload_bytes_per_token']:,} payload + "
+                     f"{r['overhead_bytes_per_token']:,} scales/zero points = {r['bytes_per_token']:,}")
+        lines.append(f"  per stream ({r['tokens']:,} tokens): {r['payload_gb_per_stream']:.2f} GB payload + "
+                     f"{r['overhead_gb_per_stream']:.2f} GB scales/zero points = {r['gb_per_stream']:.2f} GB")
+    else:
+        lines.append(f"  bytes per token:  {r['bytes_per_token']:,}")
+        lines.append(f"  per stream ({r['tokens']:,} tokens): {r['gb_per_stream']:.2f} GB")
+    if "max_concurrent_streams" in r:
+        lines.append(f"  KV budget: {r['gpu_mem_gb']:.2f} GB GPU - {r['weights_gb']:.2f} GB weights = "
+                     f"{r['kv_budget_gb']:.2f} GB")
+        if not r["weights_fit"]:
+            lines.append("  the weights alone do not fit: 0 streams")
+        else:
+            lines.append(f"  max concurrent streams: {r['max_concurrent_streams']}")
+    return "\n".join(lines)
+
+
+def summary_line(r: dict) -> str:
+    """One line for the widget's label."""
+    if r["overhead_bytes_per_token"]:
+        size = (f"{r['payload_gb_per_stream']:.2f} GB payload + {r['overhead_gb_per_stream']:.2f} GB "
+                f"scales/zeros = {r['gb_per_stream']:.2f} GB per stream")
+    else:
+        size = f"{r['gb_per_stream']:.2f} GB per stream"
+    text = f"{r['bytes_per_token']:,} bytes/token | {size}"
+    if "max_concurrent_streams" in r:
+        if r["weights_fit"]:
+            text += f" | {r['max_concurrent_streams']} streams fit in {r['kv_budget_gb']:.2f} GB"
+        else:
+            text += f" | weights ({r['weights_gb']:.2f} GB) exceed the GPU ({r['gpu_mem_gb']:.2f} GB)"
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m radarlab.kvcache.memory",
+        description="KV-cache size per token and per stream, and how many streams fit on a GPU. "
+                    "Defaults: the article's 80-layer GQA model at 32,768 tokens.",
+    )
+    p.add_argument("--layers", type=int, default=80)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=32768, help="context length of one stream")
+    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16")
+    p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
+                   help="int4 only: values sharing one fp16 scale and zero point (must divide head dim)")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in decimal GB (e.g. 48 for two 4090s)")
+    p.add_argument("--weights-gb", type=float, default=0.0, help="memory the model weights take, GB")
+    p.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    return p
+
+
+_FLAGS = {name: "--" + name.replace("_", "-") for name in
+          ("layers", "kv_heads", "head_dim", "tokens", "kv_dtype", "group_size", "gpu_mem_gb", "weights_gb")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        report = kv_report(args.layers, args.kv_heads, args.head_dim, args.tokens, args.kv_dtype,
+                           args.group_size, args.gpu_mem_gb, args.weights_gb)
+    except ValueError as err:
+        field, _, rest = str(err).partition(" ")
+        if field in _FLAGS:  # name the flag the user typed, not the Python parameter
+            field = _FLAGS[field]
+        parser.error(f"{field} {rest}")  # exits with status 2 and the message
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,269 @@
+"""Why decode is memory-bandwidth bound: arithmetic intensity of one decode step, and a measurement.
+
+One decode step produces one token for each of B sequences. It must read every weight once (shared by
+the whole batch) and, for each sequence, that sequence's whole KV cache (shared by nobody). It does
+about 2 FLOPs per weight per token, plus 4 x heads x head_dim FLOPs per context token per layer for
+attention. So
+
+    intensity(B) = B * flops_per_token / (weight_bytes + B * kv_bytes_per_sequence)   [FLOP/byte]
+
+Batching raises intensity only while the weights dominate the bytes; once B * KV outweighs them, the
+intensity stops at flops_per_token / kv_bytes_per_sequence, whatever the batch. A chip whose
+peak FLOP/s divided by bandwidth (its ridge point) is above that is waiting on memory.
+
+This is a first-order model: activations, norms, embeddings rows and the KV write are left out
+(each is small next to the weights or the KV read).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from radarlab.kvcache.memory import _positive_int, kv_bytes_per_token
+
+_WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """The numbers of a Llama-family config that set a decode step's FLOPs and bytes."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
+            _positive_int(name, getattr(self, name))
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
+    @classmethod
+    def from_config(cls, config) -> "TransformerDims":
+        """From radarlab's LlamaConfig or a transformers config."""
+        if hasattr(config, "num_layers"):  # radarlab.models.llama.LlamaConfig
+            return cls(config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads,
+                       config.num_kv_heads, config.head_dim, config.vocab_size, config.tie_word_embeddings)
+        heads = config.num_attention_heads
+        return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size, heads,
+                   getattr(config, "num_key_value_heads", None) or heads,
+                   getattr(config, "head_dim", None) or config.hidden_size // heads, config.vocab_size,
+                   bool(getattr(config, "tie_word_embeddings", False)))
+
+    @property
+    def layer_matmul_params(self) -> int:
+        """q, k, v, o projections and the SwiGLU MLP's gate, up and down of one layer."""
+        attn = self.hidden * self.head_dim * (2 * self.heads + 2 * self.kv_heads)
+        return attn + 3 * self.hidden * self.intermediate
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights every decode step multiplies by: all layers plus the LM head."""
+        return self.layers * self.layer_matmul_params + self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        """All parameters (norms included, tied embeddings counted once)."""
+        embed = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
+        return self.layers * (self.layer_matmul_params + 2 * self.hidden) + self.hidden + embed
+
+
+# The article's model: 80 layers, 8 KV heads, head dim 128 is the shape of Llama-2/3 70B
+# (hidden 8192, MLP 28672, 64 query heads; vocab 128,256 as in Llama 3). About 70.6 B parameters.
+LLAMA_70B = TransformerDims(layers=80, hidden=8192, intermediate=28672, heads=64, kv_heads=8,
+                            head_dim=128, vocab=128256)
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """FLOPs and bytes of one decode step of `batch` sequences, each with `context` tokens of KV."""
+
+    batch: int
+    context: int
+    flops: float
+    weight_bytes: float
+    kv_bytes: float
+
+    @property
+    def bytes(self) -> float:
+        return self.weight_bytes + self.kv_bytes
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte moved from memory."""
+        return self.flops / self.bytes
+
+    def time_bound_s(self, peak_flops: float, bandwidth: float) -> float:
+        """Roofline lower bound on the step's time: the slower of computing and reading."""
+        return max(self.flops / peak_flops, self.bytes / bandwidth)
+
+
+def flops_per_token(dims: TransformerDims, context: int) -> float:
+    """2 FLOPs per weight (multiply-add) plus attention's QK^T and PV over the context."""
+    attention = 4 * dims.layers * dims.heads * dims.head_dim * _positive_int("context", context)
+    return 2 * dims.matmul_params + attention
+
+
+def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: str = "bf16",
+                kv_dtype: str = "bf16", group_size: int = 128) -> DecodeStep:
+    """Cost of one decode step: weights read once per step, each sequence's KV read once."""
+    batch = _positive_int("batch", batch)
+    if weight_dtype not in _WEIGHT_BYTES:
+        raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_BYTES)}, got {weight_dtype!r}")
+    if kv_dtype == "fp32":  # the calculator stops at 16 bits; an fp32 cache is twice fp16
+        per_token_kv = 2 * kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, "fp16", None)
+    else:
+        per_token_kv = kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype,
+                                          group_size if kv_dtype == "int4" else None)
+    return DecodeStep(
+        batch=batch,
+        context=context,
+        flops=batch * flops_per_token(dims, context),
+        weight_bytes=dims.matmul_params * _WEIGHT_BYTES[weight_dtype],
+        kv_bytes=batch * context * per_token_kv,
+    )
+
+
+def intensity_limit(dims: TransformerDims, context: int, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> float:
+    """The intensity an infinite batch approaches: FLOPs per token over one sequence's KV bytes."""
+    one = decode_step(dims, 1, context, weight_dtype, kv_dtype)
+    return one.flops / one.kv_bytes
+
+
+def ridge_point(peak_flops: float, bandwidth: float) -> float:
+    """FLOP/byte at which a chip turns from memory-bound to compute-bound."""
+    return peak_flops / bandwidth
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurements on this machine
+
+
+@dataclass(frozen=True)
+class MachineBalance:
+    peak_flops: float  # measured fp32 matmul FLOP/s
+    bandwidth: float  # measured read bandwidth, bytes/s
+
+    @property
+    def ridge(self) -> float:
+        return ridge_point(self.peak_flops, self.bandwidth)
+
+
+@contextmanager
+def cpu_threads(n: int | None):
+    """Run a block with torch limited to n CPU threads (None: leave as is), then restore.
+
+    On a machine shared with other jobs, torch's worker threads spin waiting for each other and a
+    timing can come out ten times too slow; a single thread gives steady numbers there."""
+    import torch
+
+    before = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(_positive_int("threads", n))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def measure_machine(device: str = "cpu", matmul_n: int = 1024, read_mb: int = 256, repeats: int = 5,
+                    threads: int | None = None) -> MachineBalance:
+    """Best-of-`repeats` fp32 matmul throughput and read bandwidth (summing a large tensor).
+
+    Rough by design (a second or so): enough to place this machine's ridge point on the plot."""
+    import torch
+
+    a = torch.randn(matmul_n, matmul_n, device=device)
+    b = torch.randn(matmul_n, matmul_n, device=device)
+    x = torch.ones(read_mb * 2**20 // 4, device=device)
+    best_mm = best_rd = float("inf")
+    with cpu_threads(threads):
+        a @ b, x.sum()  # warm up
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            a @ b
+            _sync(device)
+            t1 = time.perf_counter()
+            x.sum()
+            _sync(device)
+            t2 = time.perf_counter()
+            best_mm, best_rd = min(best_mm, t1 - t0), min(best_rd, t2 - t1)
+    return MachineBalance(2 * matmul_n**3 / best_mm, x.nbytes / best_rd)
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    batch: int
+    context: int
+    ms_per_step: float  # median over the timed steps
+
+    @property
+    def ms_per_token(self) -> float:
+        """Each step yields one token per sequence."""
+        return self.ms_per_step / self.batch
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.batch / self.ms_per_step
+
+
+def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmup: int = 1,
+                   seed: int = 0, budget_s: float | None = None, threads: int | None = None) -> list[DecodeTiming]:
+    """Time our forward pass on one-token decode steps for each batch size.
+
+    The prefill is skipped: each sequence starts with `context` positions of zero K/V already in a
+    contiguous cache. The arithmetic and memory traffic of a decode step do not depend on what the
+    cache holds, so this times decode alone without paying for B prompts first.
+
+    With budget_s, batch sizes after the one that crosses the budget are skipped (a busy or slow
+    machine then returns fewer points instead of running for minutes)."""
+    import torch
+
+    from radarlab.attention.metadata import AttentionMetadata
+    from radarlab.kvcache.contiguous import ContiguousKVCache
+
+    context = _positive_int("context", context)
+    steps = _positive_int("steps", steps)
+    cfg = model.config
+    param = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    with cpu_threads(threads):
+        results = []
+        started = time.perf_counter()
+        for batch in batch_sizes:
+            if budget_s is not None and results and time.perf_counter() - started > budget_s:
+                break
+            batch = _positive_int("batch", batch)
+            cache = ContiguousKVCache.for_model(cfg, batch, context + warmup + steps, dtype=param.dtype,
+                                                device=param.device)
+            rows = torch.arange(batch)
+            times = []
+            for s in range(warmup + steps):
+                meta = AttentionMetadata.from_lens([1] * batch, [context + s + 1] * batch, cache_rows=rows)
+                ids = torch.randint(cfg.vocab_size, (batch,), generator=gen).to(param.device)
+                positions = meta.positions.to(param.device)
+                logits_at = torch.arange(batch, device=param.device)
+                _sync(param.device)
+                t0 = time.perf_counter()
+                model(ids, positions, cache, meta, logits_indices=logits_at)
+                _sync(param.device)
+                if s >= warmup:
+                    times.append(time.perf_counter() - t0)
+            results.append(DecodeTiming(batch, context, 1000.0 * statistics.median(times)))
+            del cache
+    return results
