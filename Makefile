@@ -62,6 +62,11 @@ exercises: $(VENV_MAINT)/.installed
 figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
 
+# Benchmarks write JSON under bench-results/ (ignored by git); compare ratios within one run.
+bench: setup model
+	mkdir -p bench-results
+	$(VPY) -m radarlab.bench memory --json bench-results/memory.json
+
 validate: setup model vllm
 	$(VPY) -m radarlab.validate
 

@@ -162,3 +162,376 @@ def check_max_streams(max_streams) -> bool:
                 hint = ""
             return verdict("max_streams", f"for {description} it returned {got!r}, expected {want}{hint}")
     return verdict("max_streams", None)
+
+
+# --- notebook 02: the contiguous KV cache and its reservation waste ---------------------------------
+
+def check_append_to_contiguous_cache(append_to_contiguous_cache) -> bool:
+    """Check a learner's append_to_contiguous_cache(k_cache, v_cache, row, seq_len, k, v): the n new
+    tokens go to positions seq_len-n .. seq_len-1 of the row, in place, nothing else changes, and the
+    whole context's keys and values come back."""
+    import torch
+
+    name = "append_to_contiguous_cache"
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    def numbered(n, heads, dim, first):  # token i's vectors are all first + i: easy to read in a message
+        return torch.arange(first, first + n, dtype=torch.float32)[:, None, None].expand(n, heads, dim).clone()
+
+    filled = rand(3, 8, 3, 4)  # 3 rows of 8 positions, 3 KV heads, head dim 4, already holding data
+    cases = [  # (description, k_cache, v_cache, row, seq_len, k, v)
+        ("a prefill of 3 tokens into row 0 of an empty cache of 2 rows x 6 positions (1 KV head, head dim 2)",
+         torch.zeros(2, 6, 1, 2), torch.zeros(2, 6, 1, 2), 0, 3, numbered(3, 1, 2, 1), -numbered(3, 1, 2, 1)),
+        ("one decode token into row 0, which held 3 tokens (seq_len=4 after the step)",
+         torch.cat([numbered(3, 1, 2, 1), torch.zeros(3, 1, 2)])[None].repeat(2, 1, 1, 1), torch.zeros(2, 6, 1, 2),
+         0, 4, numbered(1, 1, 2, 4), -numbered(1, 1, 2, 4)),
+        ("a prefill of 2 tokens into row 1 while row 0 holds another sequence",
+         torch.ones(2, 6, 1, 2), torch.ones(2, 6, 1, 2), 1, 2, numbered(2, 1, 2, 10), -numbered(2, 1, 2, 10)),
+        ("2 new tokens filling the last positions of row 2 of a full cache (3 KV heads, head dim 4)",
+         filled.clone(), -filled.clone(), 2, 8, rand(2, 3, 4), rand(2, 3, 4)),
+    ]
+    for description, k_cache, v_cache, row, seq_len, k, v in cases:
+        start = seq_len - k.shape[0]
+        want_k, want_v = k_cache.clone(), v_cache.clone()
+        want_k[row, start:seq_len] = k
+        want_v[row, start:seq_len] = v
+        try:
+            got = append_to_contiguous_cache(k_cache, v_cache, row, seq_len, k.clone(), v.clone())
+        except NotImplementedError:
+            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        for label, cache, want in (("key", k_cache, want_k), ("value", v_cache, want_v)):
+            if not torch.equal(cache, want):
+                r, p = (int(i) for i in (cache != want).any(-1).any(-1).nonzero()[0])
+                should = (f"the new token {p - start}'s {label}" if r == row and start <= p < seq_len
+                          else "what it held before (it should not change)")
+                return verdict(name, f"for {description}, the {label} cache at row {r}, position {p} holds the "
+                                     f"wrong values; it should hold {should}. Write in place, at positions "
+                                     f"seq_len - n .. seq_len - 1 = {start} .. {seq_len - 1}")
+        if not isinstance(got, tuple) or len(got) != 2:
+            return verdict(name, f"for {description} it returned {type(got).__name__}, expected a tuple (keys, values)")
+        for label, g, w in (("keys", got[0], want_k[row, :seq_len]), ("values", got[1], want_v[row, :seq_len])):
+            problem = _first_tensor_difference(g, w, atol=0.0, rtol=0.0)
+            if problem:
+                return verdict(name, f"for {description} the returned {label} were {problem} (return the row's "
+                                     f"first seq_len positions: the whole context)")
+    return verdict(name, None)
+
+
+def check_reservation_utilisation(reservation_utilisation) -> bool:
+    """Check a learner's reservation_utilisation(context_lens, max_model_len, block_size) -> (contiguous,
+    paged): the fraction of reserved positions that hold tokens, for a snapshot of running requests."""
+    import math
+
+    name = "reservation_utilisation"
+
+    def want(lens, max_len, bs):
+        return sum(lens) / (len(lens) * max_len), sum(lens) / sum(-(-n // bs) * bs for n in lens)
+
+    cases = [  # (description, context_lens, max_model_len, block_size)
+        ("context_lens=[3, 5], max_model_len=8, block_size=4", [3, 5], 8, 4),
+        ("context_lens=[16], max_model_len=64, block_size=16 (one exactly full block)", [16], 64, 16),
+        ("context_lens=[17, 1, 100], max_model_len=2048, block_size=16", [17, 1, 100], 2048, 16),
+        ("context_lens=[7, 9], max_model_len=16, block_size=1", [7, 9], 16, 1),
+        ("context_lens=[2048], max_model_len=2048, block_size=128", [2048], 2048, 128),
+    ]
+    for description, lens, max_len, bs in cases:
+        expected = want(lens, max_len, bs)
+        try:
+            got = reservation_utilisation(list(lens), max_len, bs)
+        except NotImplementedError:
+            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        if (not isinstance(got, (tuple, list)) or len(got) != 2
+                or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)):
+            return verdict(name, f"for {description} it returned {got!r}, expected two numbers (contiguous, paged)")
+        if not math.isclose(got[0], expected[0], rel_tol=1e-9):
+            return verdict(name, f"for {description} the contiguous utilisation was {got[0]!r}, expected "
+                                 f"{expected[0]!r} (each request reserves max_model_len positions)")
+        if not math.isclose(got[1], expected[1], rel_tol=1e-9):
+            floor = sum(lens) / max(1, sum(n // bs * bs for n in lens))
+            hint = (" (a partly filled block is reserved whole: round each request's blocks up)"
+                    if math.isclose(got[1], floor, rel_tol=1e-9) or got[1] > 1 else "")
+            return verdict(name, f"for {description} the paged utilisation was {got[1]!r}, expected {expected[1]!r}{hint}")
+    for description, lens, max_len in [("an empty list of requests", [], 8),
+                                       ("context_lens=[9] with max_model_len=8 (longer than a row)", [9], 8),
+                                       ("context_lens=[0] (a running request holds at least one token)", [0], 8)]:
+        try:
+            got = reservation_utilisation(list(lens), max_len, 4)
+        except NotImplementedError:
+            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+        except ValueError:
+            continue
+        except Exception as err:
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}; expected ValueError")
+        return verdict(name, f"for {description} it returned {got!r}; expected it to raise ValueError")
+    return verdict(name, None)
+
+
+# --- notebook 03: paged KV cache -------------------------------------------------------------------
+
+def check_slot_mapping(slot_mapping) -> bool:
+    """Check a learner's slot_mapping(block_table, block_size, start, n): the slots of positions
+    start .. start+n-1 of a sequence whose logical block i lives in physical block block_table[i]."""
+    from radarlab.kvcache.block_table import BlockTable
+
+    cases = [  # (description, block_table, block_size, start, n)
+        ("block_table=[7], block_size=4, start=0, n=3 (one block)", [7], 4, 0, 3),
+        ("block_table=[2, 5], block_size=4, start=0, n=6 (the 5th token starts block 5)", [2, 5], 4, 0, 6),
+        ("block_table=[2, 5], block_size=4, start=5, n=1 (one decode step)", [2, 5], 4, 5, 1),
+        ("block_table=[3, 0, 9], block_size=2, start=1, n=4 (blocks out of order)", [3, 0, 9], 2, 1, 4),
+        ("block_table=[4, 1, 6], block_size=1, start=0, n=3 (block size 1: slot = block id)", [4, 1, 6], 1, 0, 3),
+        ("block_table=[11, 3], block_size=16, start=14, n=4 (crossing a block boundary)", [11, 3], 16, 14, 4),
+        ("block_table=[2], block_size=4, start=1, n=0 (no new tokens)", [2], 4, 1, 0),
+    ]
+    for description, table, bs, start, n in cases:
+        want = BlockTable(bs, list(table), [0] * (start + n)).slot_mapping(start, n)
+        try:
+            got = slot_mapping(list(table), bs, start, n)
+        except NotImplementedError:
+            return verdict("slot_mapping", "the function is not written yet (it raises NotImplementedError)")
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            return verdict("slot_mapping", f"for {description} it raised {type(err).__name__}: {err}")
+        try:
+            got_list = [int(s) for s in got]
+        except TypeError:
+            return verdict("slot_mapping", f"for {description} it returned {got!r}; expected a list of ints {want}")
+        if got_list != want:
+            positions = list(range(start, start + n))
+            if got_list == positions:
+                hint = " (those are the positions; map each through its physical block, block_table[p // block_size])"
+            else:
+                hint = " (slot = block_table[p // block_size] * block_size + p % block_size)"
+            return verdict("slot_mapping", f"for {description} it returned {got_list}, expected {want}{hint}")
+    return verdict("slot_mapping", None)
+
+
+def check_ref_count_allocator(allocator_class) -> bool:
+    """Check a learner's allocator class (free list + reference counts) against radarlab's BlockAllocator.
+
+    The class takes num_blocks and has allocate() -> block id (the front of the free list, raising
+    NoFreeBlocks when it is empty), incref(block_id) and free(block_id) (ValueError on a double free;
+    a block whose count reaches 0 goes to the back of the free list). It exposes ref_counts (a list)
+    and free_list (any sequence). After every step, return values, errors, counts and the free list
+    must match the reference."""
+    from radarlab.kvcache.blocks import BlockAllocator, NoFreeBlocks
+
+    name = "ref_count_allocator"
+    steps = [  # (what, method, argument)
+        ("allocate()", "allocate", None), ("allocate()", "allocate", None), ("allocate()", "allocate", None),
+        ("incref(1) (a fork shares block 1)", "incref", 1),
+        ("free(1) (one holder of the shared block lets go)", "free", 1),
+        ("free(1) (the last holder lets go)", "free", 1),
+        ("allocate()", "allocate", None),
+        ("free(1) (block 1 is already free: a double free)", "free", 1),
+        ("allocate()", "allocate", None),
+        ("allocate() (the free list is empty)", "allocate", None),
+        ("free(0)", "free", 0), ("free(2)", "free", 2), ("allocate()", "allocate", None),
+    ]
+
+    def run(obj, method, arg):
+        try:
+            out = getattr(obj, method)() if arg is None else getattr(obj, method)(arg)
+        except NotImplementedError:
+            raise
+        except (NoFreeBlocks, ValueError) as err:
+            return type(err).__name__
+        return out
+
+    def said(value):
+        return f"raised {value}" if value in ("NoFreeBlocks", "ValueError") else f"returned {value!r}"
+
+    def expected(value):
+        return f"raise {value}" if value in ("NoFreeBlocks", "ValueError") else f"return {value!r}"
+
+    ref = BlockAllocator(4, 1, enable_prefix_caching=False)
+    try:
+        mine = allocator_class(4)
+    except NotImplementedError:
+        return verdict(name, "the class is not written yet (it raises NotImplementedError)")
+    except Exception as err:
+        return verdict(name, f"creating it with num_blocks=4 raised {type(err).__name__}: {err}")
+    history = []
+    for what, method, arg in steps:
+        where = f"after {', '.join(history)}" if history else "on a fresh pool of 4 blocks"
+        want = run(ref, method, arg)
+        try:
+            got = run(mine, method, arg)
+        except NotImplementedError:
+            return verdict(name, f"{method} is not written yet (it raises NotImplementedError)")
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            return verdict(name, f"{where}, {what} raised {type(err).__name__}: {err}; expected it to {expected(want)}")
+        if hasattr(got, "__index__") and not isinstance(got, bool):
+            got = int(got)  # a numpy or torch integer is as good as an int
+        if got != want:
+            return verdict(name, f"{where}, {what} {said(got)}; expected it to {expected(want)}")
+        try:
+            counts, free = [int(c) for c in mine.ref_counts], [int(b) for b in mine.free_list]
+        except Exception as err:
+            return verdict(name, f"reading ref_counts and free_list failed: {type(err).__name__}: {err}")
+        if counts != ref.ref_counts:
+            return verdict(name, f"{where}, {what}: ref_counts is {counts}, expected {ref.ref_counts}")
+        if free != list(ref.free_block_ids):
+            return verdict(name, f"{where}, {what}: free_list is {free}, expected {list(ref.free_block_ids)} "
+                                 "(take from the front; a block whose count reaches 0 goes to the back)")
+        history.append(what.split(" (")[0])
+    return verdict(name, None)
+
+
+# --- notebook 04: paged attention kernels ----------------------------------------------------------
+
+def check_reshape_and_cache(reshape_and_cache) -> bool:
+    """Check a learner's reshape_and_cache(k, v, k_cache, v_cache, slot_mapping): token t's k[t] and v[t]
+    ([num_kv_heads, head_dim]) written in place into the pools [num_blocks, block_size, num_kv_heads,
+    head_dim] at slot_mapping[t] = block * block_size + row; a slot of -1 is padding and writes nothing.
+    Every other slot must keep what it held, so the pools start filled with a marker value."""
+    import torch
+
+    from radarlab.kvcache.paged import reshape_and_cache as reference
+
+    name = "reshape_and_cache"
+    gen = torch.Generator().manual_seed(4)
+    cases = [  # (description, num_blocks, block_size, kv_heads, head_dim, slots, cache dtype)
+        ("3 tokens into slots [5, 6, 7] of 3 blocks of 4 (block 1, rows 1-3), 1 KV head, head_dim 2",
+         3, 4, 1, 2, [5, 6, 7], torch.float32),
+        ("4 tokens with slots [9, -1, 2, -1] (-1 is padding: nothing is written for it)",
+         3, 4, 1, 2, [9, -1, 2, -1], torch.float32),
+        ("block_size 1 (the slot is the block id), slots [3, 0, 2]", 4, 1, 2, 4, [3, 0, 2], torch.float32),
+        ("6 tokens at slots out of order across blocks of 16, 2 KV heads, head_dim 8",
+         4, 16, 2, 8, [37, 15, 16, 0, 63, 40], torch.float32),
+        ("a bfloat16 pool with float32 k and v (store in the pool's dtype)", 2, 4, 2, 4, [1, 6], torch.bfloat16),
+        ("no tokens at all (an empty slot_mapping)", 2, 4, 1, 2, [], torch.float32),
+    ]
+    marker = 7.0
+    for description, num_blocks, bs, heads, dim, slots, dtype in cases:
+        shape = (num_blocks, bs, heads, dim)
+        k = torch.randn(len(slots), heads, dim, generator=gen)
+        v = torch.randn(len(slots), heads, dim, generator=gen)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        want_k, want_v = torch.full(shape, marker, dtype=dtype), torch.full(shape, marker, dtype=dtype)
+        reference(k, v, want_k, want_v, slot_mapping)
+        got_k, got_v = torch.full(shape, marker, dtype=dtype), torch.full(shape, marker, dtype=dtype)
+        try:
+            reshape_and_cache(k.clone(), v.clone(), got_k, got_v, slot_mapping.clone())
+        except NotImplementedError:
+            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        for pool, got, want in (("k_cache", got_k, want_k), ("v_cache", got_v, want_v)):
+            if got.shape != want.shape or got.dtype != want.dtype:
+                return verdict(name, f"for {description} {pool} became {tuple(got.shape)} {got.dtype}; write into "
+                                     f"the pool in place, keeping its shape {shape} and dtype {dtype}")
+            bad = (got != want).reshape(num_blocks, bs, -1).any(-1)
+            if bad.any():
+                block, row = (int(i) for i in bad.nonzero()[0])
+                slot = block * bs + row
+                if slot in slots:
+                    what = f"token {slots.index(slot)}'s {'key' if pool == 'k_cache' else 'value'}"
+                else:
+                    what = f"the marker {marker:g} it held (no token maps to slot {slot})"
+                hint = ""
+                if slot == num_blocks * bs - 1 and -1 in slots and slot not in slots:
+                    hint = " (slot -1 is padding: skip it, or torch indexing wraps it round to the last slot)"
+                return verdict(name, f"for {description} {pool}[{block}, {row}] (slot {slot}) holds "
+                                     f"{got[block, row].flatten()[:4].tolist()} instead of {what}{hint}")
+    return verdict(name, None)
+
+
+def _online_softmax_describe(got, shapes) -> str | None:
+    """Why got is not an (m, l, acc) triple of tensors of the given shapes, or None if it is."""
+    import torch
+
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return f"returned {type(got).__name__}, expected a tuple (m, l, acc)"
+    for label, value, shape in zip(("m", "l", "acc"), got, shapes):
+        if not isinstance(value, torch.Tensor):
+            return f"returned a {type(value).__name__} for {label}, expected a tensor"
+        if tuple(value.shape) != shape:
+            return f"returned {label} of shape {tuple(value.shape)}, expected {shape}"
+    return None
+
+
+def check_online_softmax_update(online_softmax_update) -> bool:
+    """Check a learner's online_softmax_update(m, l, acc, scores, values) -> (m, l, acc).
+
+    The running state of one query head (rows: the G heads of a GQA group) after some blocks of keys:
+    m [G] the largest score so far, l [G] the sum of exp(score - m), acc [G, D] the sum of
+    exp(score - m) * value. scores [G, N] and values [N, D] are the next block. The checker folds the
+    function over the blocks of each case, from the empty state (m = -inf, l = 0, acc = 0), and compares
+    the result with the same quantities computed from all the scores at once; acc / l must then be
+    softmax(scores) @ values, full attention. Scores of -inf are padding (positions past the end)."""
+    import torch
+
+    name = "online_softmax_update"
+    gen = torch.Generator().manual_seed(11)
+
+    def split(scores, values, sizes):
+        cuts = torch.tensor([0, *sizes]).cumsum(0).tolist()
+        return [(scores[:, a:b], values[a:b]) for a, b in zip(cuts[:-1], cuts[1:])]
+
+    cases = []  # (description, scores [G, N], values [N, D], block sizes)
+    cases.append(("one block of scores [[0, 0]] with values [[1], [3]]",
+                  torch.tensor([[0.0, 0.0]]), torch.tensor([[1.0], [3.0]]), [2]))
+    cases.append(("two blocks, scores [[0, 1]] then [[5, 2]] (the second holds a new maximum)",
+                  torch.tensor([[0.0, 1.0, 5.0, 2.0]]), torch.tensor([[1.0], [2.0], [3.0], [4.0]]), [2, 2]))
+    cases.append(("a block [[1, 3]] then a last block [[2, -inf, -inf]] whose tail is padding",
+                  torch.tensor([[1.0, 3.0, 2.0, float("-inf"), float("-inf")]]),
+                  torch.tensor([[1.0], [-1.0], [2.0], [0.0], [0.0]]), [2, 3]))
+    cases.append(("large scores, [[100, 98]] then [[101, 0]] (exp(100) overflows float32: subtract the max)",
+                  torch.tensor([[100.0, 98.0, 101.0, 0.0]]), torch.tensor([[1.0], [2.0], [3.0], [4.0]]), [2, 2]))
+    scores = torch.randn(3, 37, generator=gen) * 4
+    cases.append(("random scores of 3 heads over 37 keys (head_dim 8) in blocks of [5, 1, 16, 8, 7]",
+                  scores, torch.randn(37, 8, generator=gen), [5, 1, 16, 8, 7]))
+    scores = torch.randn(4, 9, generator=gen) * 4
+    cases.append(("random scores of 4 heads over 9 keys (head_dim 16), one key per block",
+                  scores, torch.randn(9, 16, generator=gen), [1] * 9))
+    sizes = torch.randint(1, 12, (12,), generator=gen).tolist()
+    scores = torch.randn(2, sum(sizes), generator=gen) * 4
+    cases.append((f"random scores of 2 heads over {sum(sizes)} keys (head_dim 4) in random blocks {sizes}",
+                  scores, torch.randn(sum(sizes), 4, generator=gen), sizes))
+
+    for description, scores, values, sizes in cases:
+        g, d = scores.shape[0], values.shape[1]
+        m = torch.full((g,), float("-inf"))
+        l = torch.zeros(g)
+        acc = torch.zeros(g, d)
+        for i, (s, v) in enumerate(split(scores, values, sizes)):
+            try:
+                out = online_softmax_update(m.clone(), l.clone(), acc.clone(), s.clone(), v.clone())
+            except NotImplementedError:
+                return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+            except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+                return verdict(name, f"for {description}, block {i} raised {type(err).__name__}: {err}")
+            wrong = _online_softmax_describe(out, [(g,), (g,), (g, d)])
+            if wrong:
+                return verdict(name, f"for {description}, block {i}: it {wrong}")
+            m, l, acc = (x.detach().float() for x in out)
+
+        want_m = scores.max(dim=1).values
+        p = torch.exp(scores - want_m[:, None])
+        want_l, want_acc = p.sum(dim=1), p @ values
+        attention = torch.softmax(scores, dim=1) @ values
+        if not (torch.isfinite(acc).all() and torch.isfinite(l).all()):
+            hint = (" (exp of a score near 100 overflows float32: exponentiate score - m, never the raw score)"
+                    if scores.max() > 80 else "")
+            return verdict(name, f"for {description} l or acc holds inf or NaN{hint}")
+        if not torch.allclose(m, want_m, rtol=1e-6, atol=1e-6):
+            return verdict(name, f"for {description} m ended as {m.tolist()}, expected the largest score "
+                                 f"{want_m.tolist()}")
+        if not torch.allclose(l, want_l, rtol=1e-5, atol=1e-6) or not torch.allclose(acc, want_acc, rtol=1e-5,
+                                                                                       atol=1e-5):
+            out = acc / l[:, None]
+            if torch.allclose(out, attention, rtol=1e-4, atol=1e-5):
+                return verdict(name, f"for {description} acc / l is right but l ended as {l.tolist()} (expected "
+                                     f"{want_l.tolist()}): keep l = sum of exp(score - m) and acc unnormalised, "
+                                     f"and divide once at the end")
+            hint = (" (when the maximum grows, scale the old l and acc by exp(m_old - m_new))"
+                    if len(sizes) > 1 else "")
+            return verdict(name, f"for {description} acc / l is {out.flatten()[:4].tolist()}, but full softmax "
+                                 f"attention gives {attention.flatten()[:4].tolist()}{hint}")
+    return verdict(name, None)

@@ -1,6 +1,9 @@
-"""Interactive controls for the notebooks. The arithmetic lives in radarlab (here: kvcache.memory), so
+"""Interactive controls for the notebooks. The arithmetic lives in radarlab (kvcache.memory, viz.pool), so
 tests can change a control's value in plain Python and read the label, with no browser involved."""
 from __future__ import annotations
+
+import html
+import io
 
 import ipywidgets as widgets
 
@@ -57,3 +60,73 @@ class KVCalculator(widgets.VBox):
 def kv_calculator(**defaults) -> KVCalculator:
     """Build the calculator (defaults: the article's 80-layer model, 32k tokens, two 24 GB GPUs)."""
     return KVCalculator(**defaults)
+
+
+class BlockPoolStepper(widgets.VBox):
+    """Steps through a script of allocate / append / fork / free on a BlockSpaceManager and draws the
+    block tables and the physical pool after each step (radarlab.viz.pool does the work).
+
+    Buttons: `back_button`, `next_button`, `reset_button` (tests press them with .click()).
+    `caption` says what the last step did; `image` holds the PNG drawn from `snapshot`.
+    Going back replays the script from the start: the manager is deterministic, so that is exact.
+    """
+
+    def __init__(self, script=None, num_blocks: int | None = None, block_size: int | None = None,
+                 enable_prefix_caching: bool = True) -> None:
+        from radarlab.viz.pool import DEFAULT_POOL, DEFAULT_POOL_SCRIPT, sequence_colors
+
+        self.script = tuple(DEFAULT_POOL_SCRIPT if script is None else script)
+        self.num_blocks = DEFAULT_POOL["num_blocks"] if num_blocks is None else num_blocks
+        self.block_size = DEFAULT_POOL["block_size"] if block_size is None else block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        ids = [op.seq_id for op in self.script] + [op.arg for op in self.script if op.op == "fork"]
+        self.colors = sequence_colors(sorted(set(ids), key=ids.index))
+        self.position = 0
+        self.back_button = widgets.Button(description="back", icon="step-backward")
+        self.next_button = widgets.Button(description="next", icon="step-forward")
+        self.reset_button = widgets.Button(description="reset", icon="undo")
+        self.back_button.on_click(lambda _: self.go(self.position - 1))
+        self.next_button.on_click(lambda _: self.go(self.position + 1))
+        self.reset_button.on_click(lambda _: self.go(0))
+        self.caption = widgets.HTML()
+        self.image = widgets.Image(format="png", layout=widgets.Layout(width="100%"))
+        super().__init__([widgets.HBox([self.back_button, self.next_button, self.reset_button]),
+                          self.caption, self.image])
+        self.go(0)
+
+    def go(self, position: int) -> None:
+        """Show the state after the first `position` steps of the script."""
+        from radarlab.viz.pool import pool_snapshot, run_pool_script
+
+        position = max(0, min(position, len(self.script)))
+        self.manager, result = run_pool_script(self.script, self.num_blocks, self.block_size, position,
+                                               self.enable_prefix_caching)
+        if result is None:
+            text = (f"an empty pool of {self.num_blocks} blocks x {self.block_size} slots; "
+                    f"press next to run the {len(self.script)} steps")
+        else:
+            text = result.description
+        self.position = position
+        self.snapshot = pool_snapshot(self.manager, result.copies if result else (), text)
+        self.caption.value = f"<b>step {position}/{len(self.script)}</b>: {html.escape(text)}"
+        self.back_button.disabled = position == 0
+        self.next_button.disabled = position == len(self.script)
+        self.image.value = self.render()
+
+    def render(self) -> bytes:
+        """The current snapshot as PNG bytes (matplotlib's Figure, not pyplot: nothing shows twice)."""
+        from matplotlib.figure import Figure
+
+        from radarlab.viz.pool import draw_pool
+
+        fig = Figure(figsize=(10, 3.6))
+        draw_pool(self.snapshot, fig.subplots(), self.colors)
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def block_pool_stepper(script=None, num_blocks: int | None = None, block_size: int | None = None,
+                       enable_prefix_caching: bool = True) -> BlockPoolStepper:
+    """Build the pool stepper (default: radarlab.viz.pool.DEFAULT_POOL_SCRIPT on 10 blocks of 4)."""
+    return BlockPoolStepper(script, num_blocks, block_size, enable_prefix_caching)

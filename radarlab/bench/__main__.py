@@ -1,0 +1,38 @@
+"""`python -m radarlab.bench SUBCOMMAND [options] [--json PATH]`: measure a goal, print a table, write JSON.
+
+Subcommands:
+  memory   reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from radarlab.bench import memory
+
+    parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    # Each benchmark module provides add_arguments(parser) and main(args) -> exit code.
+    for name, module, help_text in [
+        ("memory", memory, "reserved vs live KV memory: contiguous vs paged cache"),
+    ]:
+        p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
+        module.add_arguments(p)
+        p.set_defaults(run=module.main, subparser=p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except ValueError as err:  # a bad parameter: argparse's usage message and exit status 2
+        args.subparser.error(str(err))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

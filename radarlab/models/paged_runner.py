@@ -1,0 +1,123 @@
+"""Run the model on the paged KV cache: one forward step for a set of sequences, and greedy generation.
+
+The block manager (radarlab.kvcache.block_table) decides where every token's K/V lives; the pool
+(radarlab.kvcache.paged) holds it; this module turns the manager's state into one packed forward
+pass. It plays the part of vLLM's model runner (vllm/v1/worker/gpu_model_runner.py), which builds
+input ids, positions, slot mapping and block tables from the scheduler's output.
+
+The contract, in vLLM's words: a sequence holds num_tokens token ids with slots reserved (by
+allocate or append_slots); the first num_computed_tokens of them already have K/V in the pool
+(computed earlier, or found in the prefix cache); a step computes the next num_scheduled_tokens of
+them, writing their K/V at their slots, and returns the logits after the last one. Copy-on-write
+pairs that append_slots returned must be copied (PagedKVCache.copy_blocks) before the step runs.
+"""
+from __future__ import annotations
+
+from typing import Hashable, Sequence
+
+import torch
+
+from radarlab.attention.metadata import AttentionMetadata
+from radarlab.kvcache.block_table import BlockSpaceManager, cdiv
+from radarlab.kvcache.paged import PagedKVCache
+from radarlab.models.generate import check_prompts
+
+SeqId = Hashable
+
+
+def paged_metadata(manager: BlockSpaceManager, seq_ids: Sequence[SeqId], num_computed_tokens: Sequence[int],
+                   num_scheduled_tokens: Sequence[int]) -> AttentionMetadata:
+    """AttentionMetadata for computing tokens num_computed .. num_computed+num_scheduled-1 of each sequence.
+
+    seq_lens (the context each query attends to) is num_computed + num_scheduled: slots reserved
+    past that point (a prompt prefilled in chunks) are neither read nor written in this step.
+    """
+    if not len(seq_ids) == len(num_computed_tokens) == len(num_scheduled_tokens):
+        raise ValueError(f"seq_ids, num_computed_tokens and num_scheduled_tokens differ in length: "
+                         f"{len(seq_ids)}, {len(num_computed_tokens)}, {len(num_scheduled_tokens)}")
+    if not seq_ids:
+        raise ValueError("seq_ids is empty: a step needs at least one sequence")
+    for s, done, n in zip(seq_ids, num_computed_tokens, num_scheduled_tokens):
+        total = manager.num_tokens(s)  # KeyError for an unknown sequence
+        if n < 1:
+            raise ValueError(f"sequence {s!r}: num_scheduled_tokens must be >= 1, got {n}")
+        if done < 0 or done + n > total:
+            raise ValueError(f"sequence {s!r}: tokens {done}..{done + n - 1} are scheduled but only {total} "
+                             f"have slots (num_computed_tokens={done}, num_scheduled_tokens={n})")
+    seq_lens = [done + n for done, n in zip(num_computed_tokens, num_scheduled_tokens)]
+    slot_mapping = manager.slot_mapping_tensor(seq_ids, num_computed_tokens, num_scheduled_tokens)
+    width = max(cdiv(length, manager.block_size) for length in seq_lens)
+    block_tables = manager.block_table_tensor(seq_ids)[:, :width]  # only the blocks this step reads
+    return AttentionMetadata.from_lens(list(num_scheduled_tokens), seq_lens, slot_mapping=slot_mapping,
+                                       block_tables=block_tables)
+
+
+@torch.inference_mode()
+def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seq_ids: Sequence[SeqId],
+               num_computed_tokens: Sequence[int], num_scheduled_tokens: Sequence[int] | None = None
+               ) -> torch.Tensor:
+    """One packed forward pass; returns logits [len(seq_ids), vocab] after each sequence's last
+    scheduled token. num_scheduled_tokens defaults to every token not yet computed (a whole
+    prefill, or the one new token of a decode step)."""
+    if num_scheduled_tokens is None:
+        num_scheduled_tokens = [manager.num_tokens(s) - done for s, done in zip(seq_ids, num_computed_tokens)]
+    meta = paged_metadata(manager, seq_ids, num_computed_tokens, num_scheduled_tokens)
+    device = cache.k.device
+    ids = [t for s, done, n in zip(seq_ids, num_computed_tokens, num_scheduled_tokens)
+           for t in manager.block_tables[s].token_ids[done:done + n]]
+    last = (meta.query_start_loc[1:] - 1).to(device)
+    return model(torch.tensor(ids, device=device), meta.positions.to(device), cache, meta, logits_indices=last)
+
+
+def blocks_needed(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
+    """Blocks that hold every prompt and its new tokens with no sharing: a pool that never runs out."""
+    return sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
+
+
+@torch.inference_mode()
+def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *,
+                          manager: BlockSpaceManager | None = None, cache: PagedKVCache | None = None,
+                          block_size: int = 16, enable_prefix_caching: bool = True, backend: str = "torch",
+                          eos_token_id: int | None = None, seq_ids: Sequence[SeqId] | None = None,
+                          free_finished: bool = True) -> list[list[int]]:
+    """greedy_generate on the paged cache: same arguments, same result (new tokens per prompt).
+
+    All prompts are allocated first (prefix-cache hits skip their cached blocks), prefilled in one
+    packed step, then decoded together, one append_slots per token. Pass manager and cache to keep
+    them across calls (a later call then hits the blocks this one cached); by default both are made
+    to fit. Finished sequences are freed unless free_finished is False. There is no scheduler here:
+    a pool too small raises NoFreeBlocks (notebook 05's engine preempts instead).
+    """
+    cfg = model.config
+    check_prompts(prompts, max_new_tokens, cfg.max_position_embeddings)
+    if (manager is None) != (cache is None):
+        raise ValueError("pass both manager and cache, or neither")
+    if manager is None:
+        num_blocks = blocks_needed(prompts, max_new_tokens, block_size)
+        manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
+        param = next(model.parameters())
+        cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
+                                       backend=backend)
+    if manager.block_size != cache.block_size or manager.num_blocks != cache.num_blocks:
+        raise ValueError(f"manager ({manager.num_blocks} blocks of {manager.block_size}) and cache "
+                         f"({cache.num_blocks} blocks of {cache.block_size}) describe different pools")
+    seq_ids = list(range(len(prompts))) if seq_ids is None else list(seq_ids)
+    if len(seq_ids) != len(prompts) or len(set(seq_ids)) != len(seq_ids):
+        raise ValueError(f"seq_ids must be {len(prompts)} distinct ids, one per prompt; got {seq_ids}")
+
+    computed = {s: manager.allocate(s, p) for s, p in zip(seq_ids, prompts)}
+    outputs: dict[SeqId, list[int]] = {s: [] for s in seq_ids}
+    active = list(seq_ids)
+    while active:
+        logits = paged_step(model, cache, manager, active, [computed[s] for s in active])
+        still = []
+        for s, tok in zip(active, logits.argmax(-1).tolist()):
+            computed[s] = manager.num_tokens(s)
+            outputs[s].append(tok)
+            if len(outputs[s]) < max_new_tokens and tok != eos_token_id:
+                cache.copy_blocks(manager.append_slots(s, [tok]))
+                still.append(s)
+            elif free_finished:
+                manager.free(s)
+        active = still
+    return [outputs[s] for s in seq_ids]

@@ -1,0 +1,249 @@
+"""Pictures of the paged KV cache: a block manager's state as data, and that data drawn with matplotlib.
+
+Three steps, each callable without a browser (the widget in widgets.py only strings them together):
+- apply_op(manager, op): one scripted operation (allocate, append, fork, free) and what it did;
+- pool_snapshot(manager): the block tables and every physical block (holders, ref count, fill,
+  cached or not) as plain data;
+- draw_pool(snapshot, ax): the block tables on top, the physical pool below, a line from each
+  table entry to the block it names, and an arrow for each copy-on-write.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, NamedTuple, Sequence
+
+from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.blocks import NoFreeBlocks
+
+SeqId = Hashable
+OPS = ("allocate", "append", "fork", "free")
+
+
+class PoolOp(NamedTuple):
+    """One scripted step. allocate: arg is the prompt's token ids; append: the new token ids;
+    fork: arg is the child's id (seq_id is the parent); free: no arg."""
+    op: str
+    seq_id: SeqId
+    arg: object = None
+
+
+# allocate, append, fork with copy-on-write, free, a prefix-cache hit, running out of blocks, and
+# cached blocks revived after their owners were freed. Pool: 10 blocks of 4 slots.
+DEFAULT_POOL_SCRIPT: tuple[PoolOp, ...] = (
+    PoolOp("allocate", "A", (10, 11, 12, 13, 14, 15)),
+    PoolOp("allocate", "B", (30, 31, 32)),
+    PoolOp("append", "A", (16,)),
+    PoolOp("append", "A", (17, 18)),
+    PoolOp("fork", "A", "C"),
+    PoolOp("append", "C", (50,)),
+    PoolOp("append", "A", (19,)),
+    PoolOp("free", "B"),
+    PoolOp("allocate", "D", (10, 11, 12, 13, 60, 61)),
+    PoolOp("free", "A"),
+    PoolOp("allocate", "E", tuple(range(70, 98))),
+    PoolOp("free", "C"),
+    PoolOp("free", "D"),
+    PoolOp("allocate", "E", (10, 11, 12, 13, 14, 15, 16, 17, 80, 81, 82)),
+)
+DEFAULT_POOL = dict(num_blocks=10, block_size=4)
+
+
+@dataclass
+class OpResult:
+    """What one operation did: a sentence for the caption, copy-on-write pairs, prefix-cache hits."""
+    description: str
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    failed: bool = False
+
+
+def apply_op(manager: BlockSpaceManager, op: PoolOp) -> OpResult:
+    """Run one scripted operation. Running out of blocks is reported, not raised: it is part of the
+    story (the manager changes nothing, and a scheduler would wait or preempt)."""
+    name, seq, arg = op
+    if name not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {name!r}")
+    try:
+        if name == "allocate":
+            prompt = list(arg)
+            hit = manager.allocate(seq, prompt)
+            table = manager.get_block_table(seq)
+            text = f"allocate {seq}: a {len(prompt)}-token prompt gets blocks {table}"
+            if hit:
+                text += f"; the first {hit} tokens are a prefix-cache hit (blocks {table[:hit // manager.block_size]} shared)"
+            return OpResult(text, num_computed_tokens=hit)
+        if name == "append":
+            new = list(arg)
+            before = manager.num_tokens(seq)
+            copies = manager.append_slots(seq, new)
+            table = manager.get_block_table(seq)
+            text = f"append {len(new)} token{'s' * (len(new) != 1)} to {seq}: {before} -> {before + len(new)} tokens, blocks {table}"
+            for src, dst in copies:
+                text += f"; block {src} was shared, so {seq} writes into a copy, block {dst} (copy-on-write)"
+            return OpResult(text, copies=copies)
+        if name == "fork":
+            manager.fork(seq, arg)
+            return OpResult(f"fork {seq} -> {arg}: {arg} shares all of {seq}'s blocks {manager.get_block_table(arg)}, "
+                            f"nothing is copied (every ref count +1)")
+        table = manager.get_block_table(seq)
+        manager.free(seq)
+        return OpResult(f"free {seq}: each of its blocks {table} loses one reference; blocks at 0 are free "
+                        f"(full ones stay cached until evicted)")
+    except NoFreeBlocks as err:
+        return OpResult(f"{name} {seq}: NoFreeBlocks ({err}); nothing changed", failed=True)
+
+
+def run_pool_script(script: Sequence[PoolOp], num_blocks: int, block_size: int, steps: int | None = None,
+                    enable_prefix_caching: bool = True) -> tuple[BlockSpaceManager, OpResult | None]:
+    """A fresh manager after the first `steps` operations of script (all by default), and the last result."""
+    manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
+    result = None
+    for op in script[:len(script) if steps is None else steps]:
+        result = apply_op(manager, op)
+    return manager, result
+
+
+@dataclass
+class BlockView:
+    """One physical block. state: "free" (holds nothing), "cached" (free, but its content can still
+    be hit), "used" (one holder) or "shared" (ref count > 1)."""
+    block_id: int
+    ref_count: int
+    holders: tuple
+    tokens: tuple  # token ids written in it (for a used block); empty otherwise
+    num_filled: int
+    state: str
+
+
+@dataclass
+class PoolSnapshot:
+    num_blocks: int
+    block_size: int
+    tables: dict  # seq_id -> block ids in logical order
+    num_tokens: dict  # seq_id -> tokens with slots
+    blocks: list[BlockView]
+    free_block_ids: list[int]  # never-cached free blocks, in the order allocate takes them
+    evictable: list[int]  # free but cached, least recently freed first (evicted first)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    caption: str = ""
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(b.ref_count > 0 for b in self.blocks)
+
+
+def pool_snapshot(manager: BlockSpaceManager, copies: Sequence[tuple[int, int]] = (), caption: str = "") -> PoolSnapshot:
+    """The manager's state as plain data (nothing in it refers back to the manager)."""
+    alloc = manager.allocator
+    bs = manager.block_size
+    holders: dict[int, list] = {}
+    tokens: dict[int, tuple] = {}
+    for seq, table in manager.block_tables.items():
+        for i, block_id in enumerate(table.block_ids):
+            holders.setdefault(block_id, []).append(seq)
+            tokens[block_id] = max(tokens.get(block_id, ()), tuple(table.token_ids[i * bs:(i + 1) * bs]), key=len)
+    evictable = list(alloc.evictable)
+    blocks = []
+    for b in range(manager.num_blocks):
+        ref = alloc.ref_count(b)
+        if ref:
+            state = "shared" if ref > 1 else "used"
+            filled = len(tokens.get(b, ()))
+        else:
+            state = "cached" if b in alloc.evictable else "free"
+            filled = bs if state == "cached" else 0
+        blocks.append(BlockView(b, ref, tuple(holders.get(b, ())), tokens.get(b, ()), filled, state))
+    return PoolSnapshot(manager.num_blocks, bs,
+                        {s: list(t.block_ids) for s, t in manager.block_tables.items()},
+                        {s: t.num_tokens for s, t in manager.block_tables.items()},
+                        blocks, list(alloc.free_block_ids), evictable, list(copies), caption)
+
+
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+SHARED_COLOR = "0.45"
+CACHED_COLOR = "0.85"
+
+
+def sequence_colors(seq_ids: Sequence[SeqId]) -> dict:
+    """A fixed color per sequence, in order (the widget passes every id of its script, so a
+    sequence keeps its color after others are freed)."""
+    out: dict = {}
+    for s in seq_ids:
+        if s not in out:
+            out[s] = PALETTE[len(out) % len(PALETTE)]
+    return out
+
+
+def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_tokens: bool = True) -> None:
+    """Draw block tables (top) and the physical pool (bottom) on one matplotlib Axes.
+
+    A block's slots are unit squares; filled slots are colored by their holder (gray when shared),
+    reserved but unwritten ones are white. Lines join each table entry to its physical block.
+    """
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    bs, n = snapshot.block_size, snapshot.num_blocks
+    colors = colors or sequence_colors(list(snapshot.tables))
+    gap = 1.0
+    width = bs + gap
+    pool_y = 0.0
+    label_pad = 7.0  # room on the left for row labels
+
+    def slot_box(x, y, face, edge="black"):
+        ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor=edge, lw=0.8))
+
+    # The physical pool.
+    ax.text(-label_pad, pool_y + 0.5, "pool", ha="left", va="center", fontsize=9, weight="bold")
+    for b in snapshot.blocks:
+        x0 = b.block_id * width
+        for off in range(bs):
+            if b.state == "free":
+                slot_box(x0 + off, pool_y, "white", edge="0.6")
+            elif b.state == "cached":
+                slot_box(x0 + off, pool_y, CACHED_COLOR, edge="0.5")
+            else:
+                color = SHARED_COLOR if b.state == "shared" else colors.get(b.holders[0], "tab:gray")
+                filled = off < b.num_filled
+                slot_box(x0 + off, pool_y, color if filled else "white")
+                if filled and show_tokens:
+                    ax.text(x0 + off + 0.5, pool_y + 0.5, str(b.tokens[off]), ha="center", va="center",
+                            fontsize=6, color="white")
+        ax.text(x0 + bs / 2, pool_y - 0.35, f"#{b.block_id}", ha="center", va="top", fontsize=8)
+        status = {"free": "free", "cached": "cached"}.get(b.state, f"ref {b.ref_count}")
+        ax.text(x0 + bs / 2, pool_y - 1.05, status, ha="center", va="top", fontsize=7,
+                color="black" if b.ref_count else "0.4")
+
+    # Copy-on-write arrows under the pool.
+    for src, dst in snapshot.copies:
+        ax.add_patch(FancyArrowPatch((src * width + bs / 2, pool_y - 1.9), (dst * width + bs / 2, pool_y - 1.9),
+                                     connectionstyle="arc3,rad=0.35", arrowstyle="-|>", mutation_scale=12,
+                                     color="tab:red", lw=1.5))
+        ax.text((src + dst) / 2 * width + bs / 2, pool_y - 3.4, f"copy {src} -> {dst}", ha="center",
+                va="top", fontsize=8, color="tab:red")
+
+    # The block tables, one row per sequence, above the pool.
+    rows = list(snapshot.tables.items())
+    for r, (seq, table) in enumerate(rows):
+        y = pool_y + 3.0 + 1.6 * (len(rows) - 1 - r)
+        color = colors.get(seq, "tab:gray")
+        ax.text(-label_pad, y + 0.5, f"{seq} ({snapshot.num_tokens[seq]} tok)", ha="left", va="center",
+                fontsize=8, color=color, weight="bold")
+        for i, block_id in enumerate(table):
+            x = i * 1.6
+            ax.add_patch(Rectangle((x, y), 1.4, 1, facecolor="white", edgecolor=color, lw=1.5))
+            ax.text(x + 0.7, y + 0.5, str(block_id), ha="center", va="center", fontsize=8)
+            ax.plot([x + 0.7, block_id * width + bs / 2], [y, pool_y + 1.05], color=color, lw=0.8, alpha=0.6)
+    top = pool_y + 3.0 + 1.6 * max(len(rows), 1)
+    if rows:
+        ax.text(-label_pad, top + 0.3, "block tables (logical block i -> physical block id)", fontsize=8,
+                ha="left", va="bottom")
+    free_text = f"free list {snapshot.free_block_ids}"
+    if snapshot.evictable:
+        free_text += f"   cached, evictable (LRU first) {snapshot.evictable}"
+    ax.text(-label_pad, pool_y - 4.6, free_text, fontsize=8, ha="left", va="top")
+    ax.set_xlim(-label_pad - 0.5, n * width + 0.5)
+    ax.set_ylim(pool_y - 5.6, top + 1.6)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    if snapshot.caption:
+        ax.set_title(snapshot.caption, fontsize=9, loc="left", wrap=True)

@@ -1,0 +1,106 @@
+"""The block-pool stepper and the pool pictures, driven from Python: no browser needed."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from matplotlib.figure import Figure
+
+from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.viz.pool import (
+    DEFAULT_POOL_SCRIPT, PoolOp, apply_op, draw_pool, pool_snapshot, run_pool_script, sequence_colors,
+)
+from radarlab.viz.widgets import block_pool_stepper
+
+
+def states(snapshot):
+    return {b.block_id: (b.state, b.ref_count, b.num_filled) for b in snapshot.blocks if b.state != "free"}
+
+
+def test_stepper_shows_each_step_of_the_script():
+    w = block_pool_stepper()
+    assert w.position == 0 and w.back_button.disabled and not w.next_button.disabled
+    assert "empty pool of 10 blocks x 4 slots" in w.caption.value
+    assert w.snapshot.tables == {} and w.snapshot.num_used_blocks == 0
+    empty_png = bytes(w.image.value)
+    assert empty_png.startswith(b"\x89PNG")
+
+    w.next_button.click()  # allocate A, 6 tokens
+    assert w.position == 1 and not w.back_button.disabled
+    assert "step 1/14" in w.caption.value and "gets blocks [0, 1]" in w.caption.value
+    assert w.snapshot.tables == {"A": [0, 1]} and w.snapshot.num_tokens == {"A": 6}
+    assert states(w.snapshot) == {0: ("used", 1, 4), 1: ("used", 1, 2)}
+    assert w.snapshot.blocks[0].tokens == (10, 11, 12, 13)
+    assert bytes(w.image.value).startswith(b"\x89PNG") and bytes(w.image.value) != empty_png
+
+    for _ in range(4):  # B, two appends to A, then fork A -> C
+        w.next_button.click()
+    assert w.snapshot.tables == {"A": [0, 1, 3], "B": [2], "C": [0, 1, 3]}
+    assert {b: states(w.snapshot)[b][:2] for b in (0, 1, 3)} == {0: ("shared", 2), 1: ("shared", 2), 3: ("shared", 2)}
+    assert "nothing is copied" in w.caption.value
+
+    w.next_button.click()  # C writes into the shared, partly filled block 3: copy-on-write
+    assert w.snapshot.copies == [(3, 4)] and "copy-on-write" in w.caption.value
+    assert w.snapshot.tables["C"] == [0, 1, 4] and w.snapshot.blocks[4].tokens == (18, 50)
+    assert states(w.snapshot)[3] == ("used", 1, 1)
+
+    w.go(11)  # the big prompt does not fit: reported in the caption, nothing changes
+    assert "NoFreeBlocks" in w.caption.value and "nothing changed" in w.caption.value
+    assert "E" not in w.snapshot.tables
+
+    w.go(13)  # everyone freed: full blocks stay cached (evictable), partial ones go to the free list
+    assert w.snapshot.tables == {} and w.snapshot.num_used_blocks == 0
+    assert sorted(w.snapshot.evictable) == [0, 1] and states(w.snapshot) == {0: ("cached", 0, 4), 1: ("cached", 0, 4)}
+
+    w.next_button.click()  # E's prompt starts with A's 8 tokens: both cached blocks are revived
+    assert w.position == 14 and w.next_button.disabled
+    assert w.snapshot.tables == {"E": [0, 1, 6]} and "first 8 tokens are a prefix-cache hit" in w.caption.value
+    w.next_button.click()  # at the end: stays there
+    assert w.position == 14
+
+    w.back_button.click()  # back replays the script: the same state as going there directly
+    assert w.position == 13 and states(w.snapshot) == {0: ("cached", 0, 4), 1: ("cached", 0, 4)}
+    w.reset_button.click()
+    assert w.position == 0 and w.snapshot.tables == {} and bytes(w.image.value) == empty_png
+
+
+def test_sequences_keep_their_colors():
+    w = block_pool_stepper()
+    assert list(w.colors) == ["A", "B", "C", "D", "E"] and len(set(w.colors.values())) == 5
+
+
+def test_custom_script_and_pool():
+    script = [PoolOp("allocate", "x", [1, 2, 3]), PoolOp("fork", "x", "y"), PoolOp("append", "y", [4])]
+    w = block_pool_stepper(script, num_blocks=4, block_size=2)
+    w.go(len(script))
+    assert w.snapshot.tables == {"x": [0, 1], "y": [0, 2]} and w.snapshot.copies == [(1, 2)]
+
+
+def test_snapshot_is_plain_data():
+    m = BlockSpaceManager(6, 4)
+    m.allocate("p", [1, 2, 3, 4, 5])
+    m.fork("p", "q")
+    snap = pool_snapshot(m)
+    m.free("p")
+    assert snap.tables == {"p": [0, 1], "q": [0, 1]}  # unchanged by later manager calls
+    assert snap.blocks[0].holders == ("p", "q") and snap.blocks[1].tokens == (5,)
+    assert snap.free_block_ids == [2, 3, 4, 5] and snap.evictable == []
+
+
+def test_draw_pool_labels_every_block_and_table_entry():
+    m, result = run_pool_script(DEFAULT_POOL_SCRIPT, 10, 4, steps=6)
+    snap = pool_snapshot(m, result.copies)
+    fig = Figure()
+    ax = fig.subplots()
+    draw_pool(snap, ax, sequence_colors("ABCDE"))
+    texts = [t.get_text() for t in ax.texts]
+    assert all(f"#{b}" in texts for b in range(10))
+    assert texts.count("ref 2") == 2 and texts.count("free") == 5  # blocks 0, 1 shared; 5..9 free
+    assert "copy 3 -> 4" in texts and "A (9 tok)" in texts and "C (10 tok)" in texts
+    assert "free list [5, 6, 7, 8, 9]" in texts
+    fig.savefig(io.BytesIO(), format="png")
+
+
+def test_bad_op_raises():
+    with pytest.raises(ValueError, match="op must be one of"):
+        apply_op(BlockSpaceManager(4, 4), PoolOp("alloc", "a", [1]))
