@@ -26,15 +26,12 @@ from typing import Hashable, Sequence
 
 import torch
 
+from radarlab.attention.paged import cdiv
 from radarlab.kvcache.blocks import (
     BlockAllocator, BlockHash, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
 )
 
 SeqId = Hashable
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def check_block_table(block_ids: Sequence[int], num_blocks: int, pad: int | None = None) -> None:

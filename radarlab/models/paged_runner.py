@@ -18,7 +18,8 @@ from typing import Hashable, Sequence
 import torch
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.kvcache.block_table import BlockSpaceManager, cdiv
+from radarlab.attention.paged import cdiv
+from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged import PagedKVCache
 from radarlab.models.generate import check_prompts
 
