@@ -29,7 +29,9 @@ def collect(skip_vllm: bool) -> list[Row]:
         return rows
     if vllm.vllm_python() is None:
         return rows + [Row("vLLM rows", "vLLM", "not run: no vLLM environment", "run `make vllm`", False)]
-    return rows + vllm.rows(model, prompts)
+    from radarlab.validate import paged
+
+    return rows + vllm.rows(model, prompts) + paged.rows(model, prompts, paged.prefix_workload(tok))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,11 +57,7 @@ def run_vllm(request: dict, timeout: float = DEFAULT_TIMEOUT, python: str | Path
     """
     if not isinstance(request, dict):
         raise ValueError(f"request must be a dict, got {type(request).__name__}")
-    request = dict(request)
-    if "model" not in request:
-        from radarlab.models.loader import resolve_model
-
-        request["model"] = str(resolve_model())
+    request = _with_model(request)
     try:
         vllm_worker.normalize(request)
     except vllm_worker.BadRequest as exc:
@@ -96,11 +92,25 @@ def run_vllm(request: dict, timeout: float = DEFAULT_TIMEOUT, python: str | Path
             what = "the response did not say ok"
         raise VLLMError(f"vLLM worker failed (exit status {proc.returncode}): {what}\n"
                         f"--- worker stderr (tail) ---\n{_tail(proc.stderr)}", proc.stderr)
-    for out in response["outputs"]:  # JSON keys are strings; token ids are ints everywhere else
-        for key in ("logprobs", "prompt_logprobs"):
-            if out.get(key) is not None:
-                out[key] = [None if d is None else {int(t): lp for t, lp in d.items()} for d in out[key]]
+    for part in response.get("responses", [response]):  # a session holds one response per request
+        for out in part.get("outputs", []):  # JSON keys are strings; token ids are ints everywhere else
+            for key in ("logprobs", "prompt_logprobs"):
+                if out.get(key) is not None:
+                    out[key] = [None if d is None else {int(t): lp for t, lp in d.items()} for d in out[key]]
     return response
+
+
+def _with_model(request: dict) -> dict:
+    """A copy of request in which every generate request names a model (the course model by default)."""
+    request = dict(request)
+    kind = request.get("kind", "generate")
+    if kind == "session" and isinstance(request.get("requests"), list):
+        request["requests"] = [_with_model(r) if isinstance(r, dict) else r for r in request["requests"]]
+    elif kind == "generate" and "model" not in request:
+        from radarlab.models.loader import resolve_model
+
+        request["model"] = str(resolve_model())
+    return request
 
 
 def greedy_request(prompts: list[list[int]], max_new_tokens: int = 64, k: int = 5, dtype: str = "float32",

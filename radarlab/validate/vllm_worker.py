@@ -6,14 +6,24 @@ import radarlab, which is not installed there.
 
     .venv-vllm/bin/python radarlab/validate/vllm_worker.py < request.json > response.json
 
-Request (JSON object; only "model" and "prompts" or "batches" are required):
+Three kinds of request, picked by "kind" ("generate" when absent):
+- "generate": an LLM engine generates for prompts (fields below);
+- "attention_op": vLLM's CPU paged-attention ops on tensors read from a file (further below);
+- "session": {"version": 1, "kind": "session", "requests": [request, ...]} runs several requests
+  in this one process, in order, so vLLM is imported once (at most one may be "generate": one
+  engine per process). Response: {"ok": true, "vllm_version", "device", "request",
+  "responses": [one response per request, as if sent alone]}.
+
+Generate request (JSON object; only "model" and "prompts" or "batches" are required):
     version                  1 (the request format; bump when it changes incompatibly)
+    kind                     "generate"                                        (default)
     model                    HF model directory (or id)
     prompts                  [[token ids], ...]: one generate() call for all of them
     batches                  [[[token ids], ...], ...]: several generate() calls in order, on one
                              engine, with a metrics snapshot after each (e.g. prefix-cache warm-up)
     dtype                    "float32" | "bfloat16" | "float16" | "auto"      (default "float32")
     max_tokens               new tokens per prompt                             (default 64)
+    batch_max_tokens         one max_tokens per batch, overriding max_tokens   (default null)
     logprobs                 top-k logprobs per generated position, 0 for none (default 5)
     prompt_logprobs          top-k logprobs per prompt position, or null       (default null)
     temperature              0 is greedy                                       (default 0.0)
@@ -33,10 +43,25 @@ Request (JSON object; only "model" and "prompts" or "batches" are required):
 
 Response: {"ok": true, "vllm_version", "device", "request": <the request with defaults filled in>,
 "outputs": [{"token_ids": [...], "finish_reason", "logprobs": [{token_id: logprob}, ...] | null,
-"prompt_logprobs": [null | {token_id: logprob}, ...] | null}, ...] (all batches, in order),
+"prompt_logprobs": [null | {token_id: logprob}, ...] | null, "num_cached_tokens": prompt tokens
+served from the prefix cache}, ...] (all batches, in order),
 "batches": [{"num_prompts", "generate_s", "metrics"}], "metrics": {...}, "init_s", "generate_s"}.
 Token ids in logprob dicts are JSON strings. Metrics are llm.get_metrics() flattened to
 name -> number (counters, gauges; summed over labels), list (vectors) or {"count","sum"} (histograms).
+
+Attention-op request: {"version": 1, "kind": "attention_op", "inputs": PATH, "outputs": PATH}.
+PATH inputs is a torch.save'd list of cases, each a dict:
+    query [T, H, D]  key, value [N, Hkv, D] (float32 | bfloat16 | float16, all one dtype)
+    slot_mapping [N] (where key[i], value[i] go; -1 skips)   block_size, num_blocks (ints)
+    block_table [B, max_blocks]   seq_lens [B]   query_start_loc [B+1]   scale (float)
+For each case the worker makes an empty cache of num_blocks blocks in vLLM's CPU layout, writes
+key/value with cpu_attn_reshape_and_cache, builds the scheduler metadata as vLLM's
+CPUAttentionMetadataBuilder does (causal, no sliding window) and runs cpu_attention_with_kv_cache.
+The outputs [T, H, D] are torch.save'd as a list to PATH outputs; the response is {"ok": true,
+"vllm_version", "device", "request", "cases": [{"isa", "shape"}, ...], "run_s"}. The key cache's
+layout inside a block depends on the ISA (for "vec" each head's keys are stored transposed,
+[D, block_size]), which is why cases carry the new K/V rather than a filled cache. CPU build only.
+
 On failure: {"ok": false, "error": "..."} on stdout, the traceback on stderr, exit status 1.
 vLLM's own logging goes to stderr; stdout carries only the response.
 """
@@ -56,11 +81,13 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
 FORMAT_VERSION = 1
 DEFAULTS = {
     "version": FORMAT_VERSION,
+    "kind": "generate",
     "model": None,
     "prompts": None,
     "batches": None,
     "dtype": "float32",
     "max_tokens": 64,
+    "batch_max_tokens": None,
     "logprobs": 5,
     "prompt_logprobs": None,
     "temperature": 0.0,
@@ -79,6 +106,9 @@ DEFAULTS = {
     "llm_kwargs": {},
     "sampling_kwargs": {},
 }
+ATTENTION_OP_DEFAULTS = {"version": FORMAT_VERSION, "kind": "attention_op", "inputs": None, "outputs": None}
+SESSION_DEFAULTS = {"version": FORMAT_VERSION, "kind": "session", "requests": None}
+KINDS = ("generate", "attention_op", "session")
 DTYPES = {"float32", "bfloat16", "float16", "auto"}
 KV_CACHE_DTYPES = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
 CPU_MAX_MODEL_LEN = 2048  # what was seen working with the CPU build
@@ -107,6 +137,53 @@ def normalize(request) -> dict:
     """Fill in defaults and reject anything malformed, before paying for vLLM's start-up."""
     if not isinstance(request, dict):
         raise BadRequest(f"the request must be a JSON object, got {type(request).__name__}")
+    kind = request.get("kind", "generate")
+    if kind not in KINDS:
+        raise BadRequest(f"kind must be one of {list(KINDS)}, got {kind!r}")
+    if kind == "attention_op":
+        return _normalize_attention_op(request)
+    if kind == "session":
+        return _normalize_session(request)
+    return _normalize_generate(request)
+
+
+def _check_fields(request: dict, defaults: dict) -> dict:
+    unknown = sorted(set(request) - set(defaults))
+    if unknown:
+        raise BadRequest(f"unknown request fields {unknown}; known: {sorted(defaults)}")
+    req = {**defaults, **request}
+    if req["version"] != FORMAT_VERSION:
+        raise BadRequest(f"version must be {FORMAT_VERSION}, got {req['version']!r}")
+    return req
+
+
+def _normalize_attention_op(request: dict) -> dict:
+    req = _check_fields(request, ATTENTION_OP_DEFAULTS)
+    for name in ("inputs", "outputs"):
+        if not isinstance(req[name], str) or not req[name]:
+            raise BadRequest(f"{name} must be a file path (a non-empty string), got {req[name]!r}")
+    return req
+
+
+def _normalize_session(request: dict) -> dict:
+    req = _check_fields(request, SESSION_DEFAULTS)
+    subs = req["requests"]
+    if not isinstance(subs, list) or not subs:
+        raise BadRequest("requests must be a non-empty list of requests")
+    out = []
+    for i, sub in enumerate(subs):
+        if isinstance(sub, dict) and sub.get("kind") == "session":
+            raise BadRequest(f"requests[{i}] is a session; sessions do not nest")
+        try:
+            out.append(normalize(sub))
+        except BadRequest as exc:
+            raise BadRequest(f"requests[{i}]: {exc}") from None
+    if sum(r["kind"] == "generate" for r in out) > 1:
+        raise BadRequest("a session may hold at most one generate request (one engine per process)")
+    return {**req, "requests": out}
+
+
+def _normalize_generate(request: dict) -> dict:
     unknown = sorted(set(request) - set(DEFAULTS))
     if unknown:
         raise BadRequest(f"unknown request fields {unknown}; known: {sorted(DEFAULTS)}")
@@ -155,12 +232,21 @@ def normalize(request) -> dict:
     util = req["gpu_memory_utilization"]
     if not isinstance(util, (int, float)) or not 0 < util <= 1:
         raise BadRequest(f"gpu_memory_utilization must be in (0, 1], got {util!r}")
-    longest = max(len(p) for batch in _batches(req) for p in batch)
-    if longest + req["max_tokens"] > req["max_model_len"]:
-        raise BadRequest(
-            f"the longest prompt has {longest} tokens; with max_tokens={req['max_tokens']} it needs "
-            f"{longest + req['max_tokens']} positions, more than max_model_len={req['max_model_len']}"
-        )
+    per_batch = req["batch_max_tokens"]
+    if per_batch is not None:
+        if not isinstance(per_batch, list) or len(per_batch) != len(_batches(req)):
+            raise BadRequest(f"batch_max_tokens must be a list with one entry per batch ({len(_batches(req))}), "
+                             f"got {per_batch!r}")
+        if not all(_is_int(n) and n > 0 for n in per_batch):
+            raise BadRequest(f"batch_max_tokens must hold positive integers, got {per_batch!r}")
+    for b, batch in enumerate(_batches(req)):
+        max_tokens = req["max_tokens"] if per_batch is None else per_batch[b]
+        longest = max(len(p) for p in batch)
+        if longest + max_tokens > req["max_model_len"]:
+            raise BadRequest(
+                f"the longest prompt has {longest} tokens; with max_tokens={max_tokens} it needs "
+                f"{longest + max_tokens} positions, more than max_model_len={req['max_model_len']}"
+            )
     return req
 
 
@@ -204,8 +290,26 @@ def _metrics(llm) -> dict:
 
 
 def run(req: dict) -> dict:
+    """Run one normalized request of any kind."""
     # vLLM configures its logger at import time, and to stdout unless told otherwise.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if req["kind"] == "session":
+        import vllm
+        from vllm.platforms import current_platform
+
+        responses = [run(sub) for sub in req["requests"]]
+        return {"ok": True, "vllm_version": vllm.__version__, "device": _device_name(current_platform),
+                "request": req, "responses": responses}
+    if req["kind"] == "attention_op":
+        return _run_attention_op(req)
+    return _run_generate(req)
+
+
+def _device_name(platform) -> str:
+    return "cpu" if platform.is_cpu() else platform.device_name
+
+
+def _run_generate(req: dict) -> dict:
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
@@ -243,19 +347,23 @@ def run(req: dict) -> dict:
     llm = LLM(**llm_kwargs)
     init_s = time.perf_counter() - t0
 
-    params = SamplingParams(
-        temperature=req["temperature"],
-        top_p=req["top_p"],
-        top_k=req["top_k"],
-        max_tokens=req["max_tokens"],
-        logprobs=req["logprobs"] or None,
-        prompt_logprobs=req["prompt_logprobs"],
-        seed=req["seed"],
-        ignore_eos=req["ignore_eos"],
-        **req["sampling_kwargs"],
-    )
+    def sampling_params(max_tokens: int):
+        return SamplingParams(
+            temperature=req["temperature"],
+            top_p=req["top_p"],
+            top_k=req["top_k"],
+            max_tokens=max_tokens,
+            logprobs=req["logprobs"] or None,
+            prompt_logprobs=req["prompt_logprobs"],
+            seed=req["seed"],
+            ignore_eos=req["ignore_eos"],
+            **req["sampling_kwargs"],
+        )
+
     outputs, batches, total = [], [], 0.0
-    for prompts in _batches(req):
+    for b, prompts in enumerate(_batches(req)):
+        max_tokens = req["max_tokens"] if req["batch_max_tokens"] is None else req["batch_max_tokens"][b]
+        params = sampling_params(max_tokens)
         t0 = time.perf_counter()
         results = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         dt = time.perf_counter() - t0
@@ -267,6 +375,7 @@ def run(req: dict) -> dict:
                 "finish_reason": c.finish_reason,
                 "logprobs": _logprob_dicts(c.logprobs) if req["logprobs"] else None,
                 "prompt_logprobs": _logprob_dicts(r.prompt_logprobs),
+                "num_cached_tokens": r.num_cached_tokens,
             })
         batches.append({"num_prompts": len(prompts), "generate_s": dt, "metrics": _metrics(llm)})
     return {
@@ -280,6 +389,101 @@ def run(req: dict) -> dict:
         "init_s": init_s,
         "generate_s": total,
     }
+
+
+_CASE_TENSORS = ("query", "key", "value", "slot_mapping", "block_table", "seq_lens", "query_start_loc")
+
+
+def _check_case(case, i: int, torch) -> None:
+    """BadRequest naming the field, before any C++ op sees (and maybe crashes on) a bad tensor."""
+    where = f"cases[{i}]"
+    if not isinstance(case, dict):
+        raise BadRequest(f"{where} must be a dict, got {type(case).__name__}")
+    missing = [n for n in _CASE_TENSORS + ("block_size", "num_blocks", "scale") if n not in case]
+    if missing:
+        raise BadRequest(f"{where} lacks {missing}")
+    for n in _CASE_TENSORS:
+        if not isinstance(case[n], torch.Tensor):
+            raise BadRequest(f"{where}.{n} must be a tensor, got {type(case[n]).__name__}")
+    q, k, v = case["query"], case["key"], case["value"]
+    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
+        raise BadRequest(f"{where}: query must be [T, H, D] and key, value [N, Hkv, D] with H a multiple of Hkv; "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise BadRequest(f"{where}: query, key and value must share one of float32, bfloat16, float16; got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    for n in ("block_size", "num_blocks"):
+        if not _is_int(case[n]) or case[n] <= 0:
+            raise BadRequest(f"{where}.{n} must be a positive integer, got {case[n]!r}")
+    if not isinstance(case["scale"], (int, float)) or isinstance(case["scale"], bool) or not case["scale"] > 0:
+        raise BadRequest(f"{where}.scale must be a positive number, got {case['scale']!r}")
+    num_slots = case["block_size"] * case["num_blocks"]
+    slots, table, seq_lens, starts = (case[n] for n in ("slot_mapping", "block_table", "seq_lens", "query_start_loc"))
+    if slots.shape != (k.shape[0],) or bool(((slots < -1) | (slots >= num_slots)).any()):
+        raise BadRequest(f"{where}.slot_mapping must hold {k.shape[0]} slots in -1..{num_slots - 1}")
+    num_seqs = seq_lens.numel()
+    if seq_lens.dim() != 1 or starts.shape != (num_seqs + 1,) or int(starts[-1]) != q.shape[0]:
+        raise BadRequest(f"{where}: query_start_loc must be [len(seq_lens)+1] ending at T={q.shape[0]}")
+    if table.dim() != 2 or table.shape[0] != num_seqs:
+        raise BadRequest(f"{where}.block_table must be [len(seq_lens), max_blocks], got {tuple(table.shape)}")
+    needed = -(-seq_lens.long() // case["block_size"])
+    if num_seqs and int(needed.max()) > table.shape[1]:
+        raise BadRequest(f"{where}.block_table has {table.shape[1]} columns; a sequence needs {int(needed.max())}")
+    used = torch.arange(table.shape[1])[None, :] < needed[:, None]
+    if bool((used & ((table < 0) | (table >= case["num_blocks"]))).any()):
+        raise BadRequest(f"{where}.block_table points outside the pool of {case['num_blocks']} blocks")
+
+
+def _run_attention_op(req: dict) -> dict:
+    """vLLM's CPU paged attention on given inputs, the way CPUAttentionBackendImpl calls it."""
+    import torch
+    import vllm
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        raise BadRequest("attention_op calls vLLM's CPU attention ops (cpu_attn_reshape_and_cache, "
+                         "cpu_attention_with_kv_cache), which only the CPU build has")
+    # Loads whichever of _C (AVX-512 with bf16), _C_AVX512 or _C_AVX2 this CPU can run, as the engine
+    # does. A bare `import vllm._C` dies with SIGILL (illegal instruction) on a CPU without AVX-512.
+    current_platform.import_kernels()
+    from vllm import _custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    t0 = time.perf_counter()
+    cases = torch.load(req["inputs"], weights_only=True)
+    if not isinstance(cases, list) or not cases:
+        raise BadRequest(f"inputs must hold a non-empty list of cases, got {type(cases).__name__}")
+    outputs, info = [], []
+    for i, case in enumerate(cases):
+        _check_case(case, i, torch)
+        q = case["query"].contiguous()
+        num_heads, head_dim, dtype = q.shape[1], q.shape[2], q.dtype
+        num_kv_heads, block_size, num_blocks = case["key"].shape[1], case["block_size"], case["num_blocks"]
+        isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
+        # The engine's cache: [num_blocks, num_kv_heads, block_size, 2 * head_dim], split as in forward().
+        kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(case["key"].contiguous(), case["value"].contiguous(), key_cache, value_cache,
+                                       case["slot_mapping"].to(torch.int64), isa)
+        seq_lens = case["seq_lens"].to(torch.int32)
+        starts = case["query_start_loc"].to(torch.int32)
+        metadata = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.numel(), num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            seq_lens=seq_lens, dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=-1,
+            isa=isa, enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV,
+        )
+        out = torch.empty_like(q)
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
+            seq_lens=seq_lens, scale=float(case["scale"]), causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=case["block_table"].to(torch.int32), softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+        )
+        outputs.append(out)
+        info.append({"isa": isa, "shape": list(out.shape)})
+    torch.save(outputs, req["outputs"])
+    return {"ok": True, "vllm_version": vllm.__version__, "device": _device_name(current_platform),
+            "request": req, "cases": info, "run_s": time.perf_counter() - t0}
 
 
 def main() -> int:
