@@ -1,0 +1,47 @@
+"""Turn one logits row per request into one token: greedy, temperature, top-k, top-p.
+
+Each row is sampled on its own with its request's generator, so a seeded request draws the same
+random numbers alone or in any batch (vLLM keeps per-request generators for seeded requests too).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from radarlab.engine.params import SamplingParams
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [V] with tokens outside the top k, and outside the smallest set whose probability
+    reaches top_p, set to -inf. The most likely token always survives."""
+    vocab = logits.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        before = probs.cumsum(-1) - probs  # probability mass strictly above each token
+        drop = before >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> list[int]:
+    """One token per row of logits [B, V]; row b uses params[b] and generators[b]."""
+    if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
+        raise ValueError(f"logits must be [B, V] with B = len(params) = len(generators); got "
+                         f"{tuple(logits.shape)}, {len(params)}, {len(generators)}")
+    logits = logits.detach().float().cpu()
+    out = []
+    for row, p, gen in zip(logits, params, generators):
+        if p.greedy:
+            out.append(int(row.argmax()))
+            continue
+        row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+        probs = row.softmax(-1)
+        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+    return out

@@ -1,0 +1,220 @@
+"""The engine against the contiguous greedy reference (any batch size, arrival order, pool size),
+seeded sampling independent of the batch, bad input, and a long random run with aborts."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from radarlab.engine import Engine, RequestStatus, SamplingParams
+from radarlab.models.generate import greedy_generate
+from radarlab.models.llama import Llama, LlamaConfig
+
+VOCAB = 128
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 2-layer random-weight Llama: fast, and its logits are far from ties, so greedy is exact."""
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return Llama(cfg).eval()
+
+
+def random_prompts(n, lo=1, hi=40, seed=0, shared_prefix=0):
+    rng = random.Random(seed)
+    prefix = [rng.randrange(VOCAB) for _ in range(shared_prefix)]
+    return [prefix + [rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def workload(tiny):
+    prompts = random_prompts(8, seed=1) + random_prompts(4, seed=2, shared_prefix=23)
+    return prompts, greedy_generate(tiny, prompts, 10)
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8, 12])
+@pytest.mark.parametrize("num_blocks, budget", [(128, 512), (128, 16), (20, 24)])  # roomy, chunked, preempting
+def test_greedy_equals_reference(tiny, workload, batch, num_blocks, budget):
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    assert [o.output_token_ids for o in outs] == ref
+    assert all(o.status is RequestStatus.FINISHED_LENGTH for o in outs)
+    assert engine.manager.num_free_blocks == num_blocks
+    if num_blocks == 20 and batch > 1:
+        assert engine.scheduler.num_preemptions > 0  # the small pool really did preempt
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_equals_reference_with_staggered_arrivals(tiny, workload, seed):
+    """Requests arrive in a random order, a few at a time, while others are mid-generation."""
+    prompts, ref = workload
+    rng = random.Random(seed)
+    order = list(range(len(prompts)))
+    rng.shuffle(order)
+    engine = Engine(tiny, num_blocks=20, block_size=4, max_num_seqs=5, max_num_batched_tokens=20)
+    rid_to_prompt, done = {}, {}
+    pending = list(order)
+    while pending or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                i = pending.pop(0)
+                rid_to_prompt[engine.add_request(prompts[i], SamplingParams(max_tokens=10))] = i
+        for out in engine.step():
+            if out.finished:
+                done[rid_to_prompt[out.request_id]] = out.output_token_ids
+    assert [done[i] for i in range(len(prompts))] == ref
+    assert engine.manager.num_free_blocks == 20
+
+
+def test_prefix_cache_is_used_and_outputs_unchanged(tiny):
+    prompts = random_prompts(6, lo=3, hi=9, seed=5, shared_prefix=32)
+    ref = greedy_generate(tiny, prompts, 6)
+    engine = Engine(tiny, num_blocks=64, block_size=4, max_num_seqs=2, max_num_batched_tokens=64)
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))] == ref
+    assert engine.manager.prefix_cache_stats.hit_rate > 0.5
+
+
+def test_stream_yields_the_generated_tokens_in_order(tiny, workload):
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+    got: dict = {}
+    for rid, token in engine.stream(prompts[:5], SamplingParams(max_tokens=10)):
+        got.setdefault(rid, []).append(token)
+    assert [got[i] for i in range(5)] == ref[:5]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, workload):
+    prompts, _ = workload
+    params = [SamplingParams(temperature=0.8, top_k=50, top_p=0.95, max_tokens=8, seed=100 + i)
+              for i in range(len(prompts))]
+    alone = [Engine(tiny, num_blocks=32, block_size=4).generate([p], sp)[0].output_token_ids
+             for p, sp in zip(prompts[:4], params[:4])]
+    engine = Engine(tiny, num_blocks=14, block_size=4, max_num_seqs=6, max_num_batched_tokens=24)
+    batched = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert batched[:4] == alone
+    assert engine.scheduler.num_preemptions > 0  # recompute after preemption keeps the generator's state
+    greedy = greedy_generate(tiny, prompts[:4], 8)
+    assert alone != greedy  # it did sample
+
+
+def test_stop_tokens_and_eos(tiny, workload):
+    prompts, ref = workload
+    stop = ref[0][3]
+    first = ref[0].index(stop)
+    engine = Engine(tiny, num_blocks=32, block_size=4, eos_token_id=stop)
+    out = engine.generate([prompts[0]], SamplingParams(max_tokens=10))[0]
+    assert out.output_token_ids == ref[0][:first + 1] and out.status is RequestStatus.FINISHED_STOPPED
+    out = engine.generate([prompts[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert out.output_token_ids == ref[0]
+    engine = Engine(tiny, num_blocks=32, block_size=4)
+    out = engine.generate([prompts[0]], SamplingParams(max_tokens=10, stop_token_ids=[stop]))[0]
+    assert out.output_token_ids == ref[0][:first + 1] and out.status is RequestStatus.FINISHED_STOPPED
+
+
+def test_max_model_len_caps_generation(tiny):
+    engine = Engine(tiny, num_blocks=32, block_size=4, max_model_len=12)
+    out = engine.generate([list(range(10))], SamplingParams(max_tokens=50))[0]
+    assert len(out.output_token_ids) == 2 and out.status is RequestStatus.FINISHED_LENGTH
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda e: e.add_request([]), "empty"),
+    (lambda e: e.add_request([1, VOCAB]), "vocabulary"),
+    (lambda e: e.add_request([1, -1]), ">= 0"),
+    (lambda e: e.generate([[1, 2], []]), "prompt 1 is empty"),
+    (lambda e: e.generate([]), "prompts is empty"),
+    (lambda e: e.generate([[1]], [SamplingParams(), SamplingParams()]), "2 SamplingParams for 1"),
+    (lambda e: e.add_request([1], params="greedy"), "SamplingParams"),
+])
+def test_bad_input_raises(tiny, call, match):
+    engine = Engine(tiny, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=match):
+        call(engine)
+    assert not engine.has_unfinished_requests()
+
+
+def test_bad_engine_settings_raise(tiny):
+    with pytest.raises(ValueError, match="max_model_len"):
+        Engine(tiny, num_blocks=8, max_model_len=10_000)
+    with pytest.raises(ValueError, match="num_blocks"):
+        Engine(tiny, num_blocks=0)
+    with pytest.raises(NotImplementedError, match="n=2"):
+        Engine(tiny, num_blocks=8).add_request([1], SamplingParams(n=2))
+
+
+def test_oversize_prompts_fail_alone(tiny, workload):
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=16, block_size=4, max_model_len=48)
+    outs = engine.generate([prompts[0], list(range(49)), prompts[1]], SamplingParams(max_tokens=10))
+    assert outs[1].status is RequestStatus.FINISHED_ERROR and "max_model_len" in outs[1].error
+    assert outs[1].output_token_ids == []
+    assert [outs[0].output_token_ids, outs[2].output_token_ids] == [ref[0], ref[1]]
+    short = random_prompts(2, lo=3, hi=8, seed=9)
+    short_ref = greedy_generate(tiny, short, 10)
+    small = Engine(tiny, num_blocks=6, block_size=4)  # 24 slots: a 25-token prompt can never fit
+    outs = small.generate([short[0], list(range(25)), short[1]], SamplingParams(max_tokens=10))
+    assert outs[1].status is RequestStatus.FINISHED_ERROR and "whole pool" in outs[1].error
+    assert [outs[0].output_token_ids, outs[2].output_token_ids] == short_ref
+    assert small.manager.num_free_blocks == 6
+
+
+def test_abort_frees_blocks_and_others_continue(tiny, workload):
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=64, block_size=4, max_num_batched_tokens=16)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=10)) for p in prompts[:3]]
+    engine.step()
+    engine.step()
+    assert engine.abort(ids[1]) and not engine.abort(ids[1]) and not engine.abort("nope")
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.request_id != ids[1]
+            if out.finished:
+                done[out.request_id] = out.output_token_ids
+    assert done == {ids[0]: ref[0], ids[2]: ref[2]}
+    assert engine.manager.num_free_blocks == 64
+
+
+def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
+    rng = random.Random(0)
+    engine = Engine(tiny, num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=48,
+                    max_model_len=128)
+    live, finished, aborted, to_add = set(), set(), set(), 500
+    steps = errors = 0
+    while to_add or engine.has_unfinished_requests():
+        for _ in range(rng.randint(0, 6)):
+            if to_add:
+                n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])  # some can never run
+                params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 8),
+                                        seed=rng.randrange(1000))
+                live.add(engine.add_request([rng.randrange(VOCAB) for _ in range(n)], params))
+                to_add -= 1
+        if live and rng.random() < 0.2:
+            rid = rng.choice(sorted(live))
+            if engine.abort(rid):  # False: it already ended with an error, reported by the next step
+                live.discard(rid)
+                aborted.add(rid)
+        for out in engine.step():
+            assert out.request_id not in aborted
+            if out.finished:
+                live.discard(out.request_id)
+                finished.add(out.request_id)
+                errors += out.status is RequestStatus.FINISHED_ERROR
+        steps += 1
+        assert steps < 5000, "the engine did not terminate"
+    assert not live and len(finished) + len(aborted) == 500
+    assert engine.manager.num_free_blocks == 24 and engine.manager.block_tables == {}
+    assert engine.scheduler.running == [] and not engine.scheduler.waiting
+    assert errors > 0 and engine.scheduler.num_preemptions > 0 and aborted  # every path was taken
+
+
+def test_course_model_batch_4_equals_greedy_generate(model, prompts):
+    ps = prompts[:4]
+    ref = greedy_generate(model, ps, 16)
+    engine = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256)
+    assert [o.output_token_ids for o in engine.generate(ps, SamplingParams(max_tokens=16))] == ref
+    assert engine.manager.num_free_blocks == 64

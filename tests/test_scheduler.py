@@ -1,0 +1,209 @@
+"""Scheduler, sampling parameters and sampler, without a model: the scheduler's decisions are driven
+by hand (update after each step, a fake token appended when a request's tokens are all computed)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler, sample
+from radarlab.engine.sampler import apply_top_k_top_p
+from radarlab.kvcache.block_table import BlockSpaceManager
+
+
+def make(num_blocks=16, block_size=4, **kw):
+    manager = BlockSpaceManager(num_blocks, block_size)
+    return manager, Scheduler(manager, **kw)
+
+
+def req(rid, n, start=0, max_tokens=100):
+    return Request(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens))
+
+
+def run_step(sched, token=1):
+    """One schedule + update; requests whose tokens are all computed get `token` appended."""
+    out = sched.schedule()
+    sched.update(out)
+    for r in out.requests:
+        if r.num_computed_tokens == sched.manager.num_tokens(r.request_id):
+            r.output_token_ids.append(token)
+    return out
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": -3}, "max_tokens"),
+    ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_p": -0.1}, "top_p"),
+    ({"temperature": -0.5}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"n": 0}, "n"), ({"top_k": -2}, "top_k"), ({"stop_token_ids": (-1,)}, "stop_token_ids"),
+])
+def test_sampling_params_reject_bad_fields(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_defaults_are_greedy():
+    p = SamplingParams(stop_token_ids=[3, 4])
+    assert p.greedy and p.stop_token_ids == (3, 4)
+
+
+def test_chunked_prefill_respects_the_token_budget():
+    manager, sched = make(max_num_batched_tokens=16)
+    sched.add_request(req("a", 40))
+    chunks = [run_step(sched).num_scheduled_tokens for _ in range(4)]
+    assert chunks == [[16], [16], [8], [1]]  # three prefill chunks, then a decode
+
+
+def test_running_first_then_admission_fills_the_budget():
+    manager, sched = make(num_blocks=32, max_num_batched_tokens=10)
+    sched.add_request(req("a", 6))
+    sched.add_request(req("b", 9, start=50))
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == ["a", "b"] and out.num_scheduled_tokens == [6, 4]
+    out = run_step(sched)
+    assert out.num_scheduled_tokens == [1, 5]  # a decodes, b finishes its prompt
+
+
+def test_max_num_seqs_caps_the_running_batch():
+    manager, sched = make(num_blocks=64, max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(req(i, 3, start=10 * i))
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == [0, 1] and len(sched.waiting) == 2
+
+
+def test_fcfs_head_of_queue_is_not_overtaken():
+    manager, sched = make(num_blocks=4, block_size=4)
+    sched.add_request(req("big", 12))  # 3 blocks
+    run_step(sched)
+    sched.add_request(req("also_big", 8, start=40))  # needs 2, only 1 free
+    sched.add_request(req("small", 2, start=80))  # would fit, must wait behind also_big
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == ["big"]
+    assert [r.request_id for r in sched.waiting] == ["also_big", "small"]
+
+
+def test_preemption_frees_the_newest_and_requeues_it_first():
+    manager, sched = make(num_blocks=4, block_size=4)
+    sched.add_request(req("old", 8))
+    sched.add_request(req("new", 8, start=40))
+    run_step(sched)  # both prefilled: 4 blocks used, both need a fifth block to decode
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert [r.request_id for r in out.requests] == ["old"] and out.num_scheduled_tokens == [1]
+    new = sched.requests["new"]
+    assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
+    assert sched.waiting[0] is new and "new" not in manager
+    assert manager.num_free_blocks == 1  # 2 freed by new, 1 taken by old
+
+
+def test_a_preempted_request_goes_ahead_of_requests_that_arrived_later():
+    manager, sched = make(num_blocks=4, block_size=4)
+    sched.add_request(req("old", 8))
+    sched.add_request(req("new", 8, start=40))
+    run_step(sched)
+    sched.add_request(req("later", 4, start=80))  # arrives after both, waits: the pool is full
+    out = run_step(sched)
+    assert [r.request_id for r in out.preempted] == ["new"]
+    assert [r.request_id for r in sched.waiting] == ["new", "later"]
+
+
+def test_a_lone_request_that_outgrows_the_pool_errors_instead_of_hanging():
+    manager, sched = make(num_blocks=2, block_size=4)
+    sched.add_request(req("a", 8))
+    run_step(sched)
+    out = sched.schedule()  # needs a third block: preempts itself, then can never be readmitted
+    assert [r.request_id for r in out.errored] == ["a"] and out.requests == []
+    assert sched.requests == {} and not sched.has_unfinished_requests()
+    assert manager.num_free_blocks == 2
+    assert "whole pool" in out.errored[0].error
+
+
+def test_too_long_and_never_fitting_prompts_error_and_others_run():
+    manager, sched = make(num_blocks=4, block_size=4, max_model_len=20)
+    sched.add_request(req("long", 21))
+    sched.add_request(req("huge", 17))  # 5 blocks > pool of 4
+    sched.add_request(req("ok", 5, start=60))
+    out = run_step(sched)
+    assert {r.request_id: r.status for r in out.errored} == {"long": RequestStatus.FINISHED_ERROR,
+                                                             "huge": RequestStatus.FINISHED_ERROR}
+    assert "max_model_len" in sched_error(out, "long") and "whole pool" in sched_error(out, "huge")
+    assert [r.request_id for r in out.requests] == ["ok"]
+
+
+def sched_error(out, rid):
+    return next(r.error for r in out.errored if r.request_id == rid)
+
+
+def test_prefix_hits_on_blocks_of_a_chunked_prefill_in_flight_are_detected():
+    """A full block is registered in the prefix cache when allocated, before its K/V is computed;
+    the scheduler must not let a new request hit it until the prefill has written it."""
+    manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sched.add_request(req("a", 20))
+    run_step(sched)  # 8 of 20 computed: blocks 0, 1 hold K/V, blocks 2, 3 are registered but empty
+    a_blocks = manager.get_block_table("a")
+    pending = set(a_blocks[8 // 4:])
+    assert sched._hits_pending(list(range(20)), pending)  # would hit blocks 2, 3
+    assert not sched._hits_pending(list(range(9)), pending)  # hits blocks 0, 1 only
+    while sched.requests["a"].num_computed_tokens < 20:
+        run_step(sched)
+    sched.add_request(req("b", 20))
+    out = run_step(sched)  # now b hits a's four computed full blocks and computes only the last
+    assert out.requests[-1].request_id == "b" and out.num_computed_tokens[-1] == 16
+
+
+def test_abort_mid_prefill_uncaches_blocks_that_were_never_computed():
+    manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sched.add_request(req("a", 20))
+    run_step(sched)  # 8 computed: blocks 0, 1 hold K/V; blocks 2, 3 are registered but empty
+    sched.abort("a")
+    assert manager.num_free_blocks == 32 and "a" not in manager
+    assert manager.allocator.num_cached_blocks == 2  # only the computed ones stay findable
+    assert sched.abort("a") is None
+
+
+def test_abort_waiting_request():
+    manager, sched = make(num_blocks=4, block_size=4)
+    sched.add_request(req("a", 16))
+    sched.add_request(req("b", 4, start=40))
+    run_step(sched)
+    assert sched.abort("b").status is RequestStatus.FINISHED_ABORTED
+    assert list(sched.waiting) == []
+
+
+def test_duplicate_request_id_raises():
+    manager, sched = make()
+    sched.add_request(req("a", 3))
+    with pytest.raises(ValueError, match="already in use"):
+        sched.add_request(req("a", 3))
+
+
+def test_scheduler_rejects_bad_limits():
+    manager = BlockSpaceManager(4, 4)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        with pytest.raises(ValueError, match=name):
+            Scheduler(manager, **{name: 0})
+
+
+# --- sampler -----------------------------------------------------------------------------------
+def test_sampler_greedy_and_degenerate_truncations_pick_the_argmax():
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+    argmax = logits.argmax(-1).tolist()
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, top_k=1),
+                   SamplingParams(temperature=1.0, top_p=1e-6)):
+        gens = [torch.Generator().manual_seed(i) for i in range(5)]
+        assert sample(logits, [params] * 5, gens) == argmax
+
+
+def test_top_k_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    assert torch.isfinite(apply_top_k_top_p(logits, 2, 1.0)).tolist() == [True, True, False, False]
+    assert torch.isfinite(apply_top_k_top_p(logits, 0, 0.8)).tolist() == [True, True, False, False]
+    assert torch.isfinite(apply_top_k_top_p(logits, 0, 0.81)).tolist() == [True, True, True, False]
+
+
+def test_sampler_rows_are_independent_of_the_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 30, generator=g)
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9)
+    batch = sample(logits, [params] * 4, [torch.Generator().manual_seed(s) for s in range(4)])
+    alone = [sample(logits[i:i + 1], [params], [torch.Generator().manual_seed(i)])[0] for i in range(4)]
+    assert batch == alone
