@@ -3,7 +3,7 @@ a pass, or the first counterexample in plain words. They return True or False so
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 
 def verdict(exercise: str, counterexample: str | None) -> bool:
@@ -15,20 +15,15 @@ def verdict(exercise: str, counterexample: str | None) -> bool:
     return False
 
 
-def first_counterexample(cases: Iterable[tuple[str, Callable[[], object], object]],
-                         close: Callable[[object, object], bool] | None = None) -> str | None:
-    """Run (description, thunk, expected) cases; describe the first whose result differs."""
-    same = close or (lambda a, b: a == b)
-    for description, thunk, expected in cases:
-        try:
-            got = thunk()
-        except NotImplementedError:
-            return "the function is not written yet (it raises NotImplementedError)"
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return f"for {description} it raised {type(err).__name__}: {err}"
-        if not same(got, expected):
-            return f"for {description} it returned {got!r}, expected {expected!r}"
-    return None
+def call_learner(thunk: Callable[[], object], description: str) -> tuple[object, str | None]:
+    """Run a learner's code: (result, None), or (None, a plain-words problem) when it is not written
+    yet or crashes, so that a learner's bug reads as a counterexample rather than a traceback."""
+    try:
+        return thunk(), None
+    except NotImplementedError:
+        return None, "the function is not written yet (it raises NotImplementedError)"
+    except Exception as err:
+        return None, f"for {description} it raised {type(err).__name__}: {err}"
 
 
 # --- notebook 00: rms_norm ---------------------------------------------------------------------
@@ -84,12 +79,9 @@ def check_rms_norm(rms_norm) -> bool:
             want = ref(x)
         loose = x.dtype == torch.bfloat16
         x_in, w_in = x.clone(), weight.clone()
-        try:
-            got = rms_norm(x_in, w_in, eps)
-        except NotImplementedError:
-            return verdict("rms_norm", "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict("rms_norm", f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(lambda: rms_norm(x_in, w_in, eps), description)
+        if problem:
+            return verdict("rms_norm", problem)
         if not (torch.equal(x_in, x) and torch.equal(w_in, weight)):
             return verdict("rms_norm", f"for {description} it changed its input in place; return a new tensor")
         problem = _first_tensor_difference(got, want, atol=1e-2 if loose else 1e-5, rtol=1e-2 if loose else 1e-5)
@@ -116,12 +108,9 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> bool:
     ]
     for description, layers, kv_heads, head_dim, per_value in cases:
         want = kv_values_per_token(layers, kv_heads, head_dim) * per_value
-        try:
-            got = kv_bytes_per_token(layers, kv_heads, head_dim, per_value)
-        except NotImplementedError:
-            return verdict("kv_bytes_per_token", "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict("kv_bytes_per_token", f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(lambda: kv_bytes_per_token(layers, kv_heads, head_dim, per_value), description)
+        if problem:
+            return verdict("kv_bytes_per_token", problem)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isclose(got, want):
             hint = " (count both K and V: each layer stores a key and a value per KV head)" \
                 if isinstance(got, (int, float)) and math.isclose(2 * got, want) else ""
@@ -145,12 +134,9 @@ def check_max_streams(max_streams) -> bool:
     ]
     for description, gpu, weights, per in cases:
         want = max_concurrent_streams(gpu, weights, per)
-        try:
-            got = max_streams(gpu, weights, per)
-        except NotImplementedError:
-            return verdict("max_streams", "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict("max_streams", f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(lambda: max_streams(gpu, weights, per), description)
+        if problem:
+            return verdict("max_streams", problem)
         if got != want or isinstance(got, bool):
             if isinstance(got, (int, float)) and got < 0:
                 hint = " (when the weights do not fit, no stream fits: return 0)"
@@ -198,12 +184,10 @@ def check_append_to_contiguous_cache(append_to_contiguous_cache) -> bool:
         want_k, want_v = k_cache.clone(), v_cache.clone()
         want_k[row, start:seq_len] = k
         want_v[row, start:seq_len] = v
-        try:
-            got = append_to_contiguous_cache(k_cache, v_cache, row, seq_len, k.clone(), v.clone())
-        except NotImplementedError:
-            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(
+            lambda: append_to_contiguous_cache(k_cache, v_cache, row, seq_len, k.clone(), v.clone()), description)
+        if problem:
+            return verdict(name, problem)
         for label, cache, want in (("key", k_cache, want_k), ("value", v_cache, want_v)):
             if not torch.equal(cache, want):
                 r, p = (int(i) for i in (cache != want).any(-1).any(-1).nonzero()[0])
@@ -241,12 +225,9 @@ def check_reservation_utilisation(reservation_utilisation) -> bool:
     ]
     for description, lens, max_len, bs in cases:
         expected = want(lens, max_len, bs)
-        try:
-            got = reservation_utilisation(list(lens), max_len, bs)
-        except NotImplementedError:
-            return verdict(name, "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(lambda: reservation_utilisation(list(lens), max_len, bs), description)
+        if problem:
+            return verdict(name, problem)
         if (not isinstance(got, (tuple, list)) or len(got) != 2
                 or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in got)):
             return verdict(name, f"for {description} it returned {got!r}, expected two numbers (contiguous, paged)")
@@ -291,12 +272,9 @@ def check_slot_mapping(slot_mapping) -> bool:
     ]
     for description, table, bs, start, n in cases:
         want = BlockTable(bs, list(table), [0] * (start + n)).slot_mapping(start, n)
-        try:
-            got = slot_mapping(list(table), bs, start, n)
-        except NotImplementedError:
-            return verdict("slot_mapping", "the function is not written yet (it raises NotImplementedError)")
-        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return verdict("slot_mapping", f"for {description} it raised {type(err).__name__}: {err}")
+        got, problem = call_learner(lambda: slot_mapping(list(table), bs, start, n), description)
+        if problem:
+            return verdict("slot_mapping", problem)
         try:
             got_list = [int(s) for s in got]
         except TypeError:
