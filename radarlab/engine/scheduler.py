@@ -185,15 +185,8 @@ class Scheduler:
         out.preempted.append(request)
 
     def _free(self, request: Request) -> None:
-        """Free the request's blocks. Full blocks whose K/V was never computed (a prefill cut short)
-        are dropped from the prefix cache first, so nobody can hit their garbage later."""
-        sid = request.request_id
-        allocator = self.manager.allocator
-        block_ids = self.manager.get_block_table(sid)
-        for block_id in block_ids[request.num_computed_tokens // self.manager.block_size:]:
-            if allocator.ref_count(block_id) == 1:
-                allocator.uncache_block(block_id)
-        self.manager.free(sid)
+        """Free the request's blocks; those whose K/V was never computed leave the prefix cache."""
+        self.manager.free(request.request_id, request.num_computed_tokens)
         request.num_computed_tokens = 0
 
     def _finish_error(self, request: Request, message: str) -> None:

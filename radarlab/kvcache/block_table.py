@@ -215,12 +215,21 @@ class BlockSpaceManager:
         del table.token_ids[new_len:]
         del table.block_hashes[new_len // self.block_size:]
 
-    def free(self, seq_id: SeqId) -> None:
+    def free(self, seq_id: SeqId, num_computed_tokens: int | None = None) -> None:
         """Release a finished or preempted sequence. Blocks are freed tail first, so under LRU the
-        tail is evicted before the shared prefix other prompts are likelier to reuse."""
-        table = self.block_tables.pop(seq_id, None)
+        tail is evicted before the shared prefix other prompts are likelier to reuse.
+
+        Full blocks are registered in the prefix cache when they are reserved, before their K/V is
+        written. A sequence cut short (aborted or preempted mid-prefill) passes num_computed_tokens:
+        its private blocks past that point are dropped from the cache, so nobody hits their garbage."""
+        table = self.block_tables.get(seq_id)
         if table is None:
             raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or already freed)")
+        if num_computed_tokens is not None:
+            for block_id in table.block_ids[num_computed_tokens // self.block_size:]:
+                if self.allocator.ref_count(block_id) == 1:
+                    self.allocator.uncache_block(block_id)
+        del self.block_tables[seq_id]
         for block_id in reversed(table.block_ids):
             self.allocator.free(block_id)
 
