@@ -142,8 +142,61 @@ def test_bad_engine_settings_raise(tiny):
         Engine(tiny, num_blocks=8, max_model_len=10_000)
     with pytest.raises(ValueError, match="num_blocks"):
         Engine(tiny, num_blocks=0)
-    with pytest.raises(NotImplementedError, match="n=2"):
-        Engine(tiny, num_blocks=8).add_request([1], SamplingParams(n=2))
+    with pytest.raises(ValueError, match="n=3 samples need 3 sequence slots, more than max_num_seqs=2"):
+        Engine(tiny, num_blocks=8, max_num_seqs=2).add_request([1], SamplingParams(n=3))
+
+
+# --- parallel sampling (n > 1): one prompt, n samples sharing its blocks ----------------------------
+def test_parallel_greedy_samples_all_equal_the_reference(tiny, workload):
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64)
+    outs = engine.generate(prompts[:2], SamplingParams(max_tokens=10, n=3))
+    assert [o.completions for o in outs] == [[ref[0]] * 3, [ref[1]] * 3]
+    assert outs[0].output_token_ids == ref[0]
+    assert engine.manager.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("num_blocks", [64, 13])  # 13: samples get preempted and recomputed
+def test_parallel_samples_equal_independent_seeded_requests(tiny, workload, num_blocks):
+    """Sample i of an n-sample request draws from seed + i: it must equal a lone request with that
+    seed. Any corruption of the shared (copy-on-write) blocks would change its logits."""
+    prompts, _ = workload
+    prompt = prompts[2]  # not a multiple of the block size, so the last prompt block is shared and copied
+    assert len(prompt) % 4
+    sp = dict(temperature=1.0, top_k=40, max_tokens=12)
+    alone = [Engine(tiny, num_blocks=32, block_size=4).generate([prompt], SamplingParams(seed=7 + i, **sp))[0]
+             .output_token_ids for i in range(4)]
+    assert len({tuple(a) for a in alone}) > 1  # the samples differ
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=6, max_num_batched_tokens=64)
+    other = SamplingParams(max_tokens=12)
+    outs = engine.generate([prompt, prompts[3]], [SamplingParams(seed=7, n=4, **sp), other])
+    assert outs[0].completions == alone
+    assert outs[1].completions == [greedy_generate(tiny, [prompts[3]], 12)[0]]
+    assert engine.manager.num_free_blocks == num_blocks
+    if num_blocks == 13:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write(tiny):
+    prompt = list(range(1, 11))  # 10 tokens: blocks of 4 -> 2 full + 1 partial
+    engine = Engine(tiny, num_blocks=32, block_size=4, max_num_seqs=4, enable_prefix_caching=False)
+    engine.add_request(prompt, SamplingParams(n=3, max_tokens=4))
+    outs = engine.step()  # the prompt, computed once, and the first token of all 3 samples
+    assert sorted(str(o.request_id) for o in outs) == ["(0, 1)", "(0, 2)", "0"]
+    assert engine.manager.num_free_blocks == 32 - 3  # 3 samples, still one copy of the prompt
+    engine.step()  # first decode: each sample writes into the shared partial block
+    pairs = engine.last_scheduled.copy_pairs
+    assert len(pairs) == 2 and len({src for src, _ in pairs}) == 1  # two copies of it; the last owner keeps it
+    assert engine.manager.num_free_blocks == 32 - 5
+
+
+def test_abort_stops_every_sample(tiny):
+    engine = Engine(tiny, num_blocks=32, block_size=4, max_num_seqs=4)
+    rid = engine.add_request(list(range(1, 8)), SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=0))
+    engine.step()
+    engine.step()
+    assert engine.abort(rid) and not engine.abort(rid)
+    assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == 32
 
 
 def test_oversize_prompts_fail_alone(tiny, workload):
@@ -190,7 +243,7 @@ def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
             if to_add:
                 n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])  # some can never run
                 params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 8),
-                                        seed=rng.randrange(1000))
+                                        seed=rng.randrange(1000), n=rng.choice([1, 1, 1, 2, 3]))
                 live.add(engine.add_request([rng.randrange(VOCAB) for _ in range(n)], params))
                 to_add -= 1
         if live and rng.random() < 0.2:
@@ -199,7 +252,9 @@ def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
                 live.discard(rid)
                 aborted.add(rid)
         for out in engine.step():
-            assert out.request_id not in aborted
+            assert out.request_id not in aborted and out.parent_id not in aborted
+            if out.parent_id is not None:  # a forked sample (n > 1); its parent is what we track
+                continue
             if out.finished:
                 live.discard(out.request_id)
                 finished.add(out.request_id)

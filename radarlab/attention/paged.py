@@ -88,18 +88,31 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                           check: bool = True) -> torch.Tensor:
-    """Causal attention for packed queries q [T, H, D] over the paged cache, one sequence at a time.
+    """Causal attention for packed queries q [T, H, D] over the paged cache.
 
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]], the last tokens of its
     seq_lens[b] tokens of context (prefill, chunked prefill and decode are all this one case).
+    Sequences with one query (decodes) run together through paged_decode_torch; the others
+    (prefill chunks) one at a time. A Python loop over 64 decodes per layer would cost more than
+    the attention math itself.
     """
     if check:
         check_pool(k_cache, v_cache)
         check_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     out = torch.empty_like(q)
     bounds = query_start_loc.tolist()
+    query_lens = [hi - lo for lo, hi in zip(bounds, bounds[1:])]
+    decodes = [b for b, n in enumerate(query_lens) if n == 1]
+    if decodes:
+        rows = torch.tensor([bounds[b] for b in decodes], device=q.device)
+        seqs = torch.tensor(decodes, device=block_tables.device)
+        out[rows] = paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs.to(seq_lens.device)],
+                                       scale, check=False)
+    done = set(decodes)
     for b, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = bounds[b], bounds[b + 1]
+        if b in done or lo == hi:
+            continue
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
         out[lo:hi] = attention_reference(q[lo:hi], k, v, scale, causal=True)

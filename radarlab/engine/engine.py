@@ -9,7 +9,7 @@ and streaming entry points.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Hashable, Iterator, Sequence
 
 import torch
@@ -17,7 +17,7 @@ import torch
 from radarlab.engine.params import SamplingParams
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.sampler import sample
-from radarlab.engine.scheduler import Scheduler
+from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.block_table import BlockSpaceManager, _as_token_ids
 from radarlab.kvcache.paged import PagedKVCache
 from radarlab.models.paged_runner import paged_step
@@ -32,6 +32,9 @@ class RequestOutput:
     new_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.RUNNING
     error: str | None = None
+    parent_id: Hashable | None = None  # n > 1: samples 1..n-1 have id (parent_id, index)
+    index: int = 0
+    completions: list[list[int]] = field(default_factory=list)  # generate(): all n samples, by index
 
     @property
     def finished(self) -> bool:
@@ -59,6 +62,7 @@ class Engine:
         self.eos_token_id = eos_token_id
         self._ids = itertools.count()
         self.num_steps = 0
+        self.last_scheduled: SchedulerOutput | None = None  # what the latest step ran (timelines, tests)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -68,8 +72,6 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        if params.n != 1:
-            raise NotImplementedError(f"n={params.n}: parallel sampling is not supported yet; add n requests")
         token_ids = _as_token_ids(prompt_token_ids, "prompt_token_ids")  # ValueError if empty
         vocab = self.model.config.vocab_size
         for i, t in enumerate(token_ids):
@@ -83,8 +85,19 @@ class Engine:
         return request_id
 
     def abort(self, request_id: Hashable) -> bool:
-        """Stop a request and free its blocks. False if it was unknown or already finished."""
-        return self.scheduler.abort(request_id) is not None
+        """Stop a request (all its samples, if n > 1) and free its blocks. False if nothing was running."""
+        samples = [request_id] + [(request_id, i) for i in range(1, self._num_samples(request_id))]
+        return any([self.scheduler.abort(s) is not None for s in samples])
+
+    def _num_samples(self, request_id: Hashable) -> int:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None and request.parent_id is None:
+            return request.params.n
+        # the parent may have finished while its samples run: look for them
+        n = 1
+        while (request_id, n) in self.scheduler.requests:
+            n += 1
+        return n
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -94,6 +107,7 @@ class Engine:
         """Schedule, run one forward pass, sample. Returns an output for every request that got a
         token or finished this step (errors included)."""
         sched = self.scheduler.schedule()
+        self.last_scheduled = sched
         outputs = [self._output(r, []) for r in sched.errored]
         if not sched.requests:
             return outputs
@@ -109,13 +123,34 @@ class Engine:
             return outputs
         done = [sched.requests[b] for b in rows]
         tokens = sample(logits[rows], [r.params for r in done], [r.generator for r in done])
-        for request, token in zip(done, tokens):
+        forked = []
+        for row, request in zip(rows, done):
+            if request.params.n > 1 and not request.forked:
+                forked += self._fork(request, logits[row])
+        for request, token in [*zip(done, tokens), *forked]:
             request.output_token_ids.append(token)
             status = self._stop_status(request, token)
             if status is not None:
                 self.scheduler.finish(request, status)
             outputs.append(self._output(request, [token]))
         return outputs
+
+    def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
+        """Parallel sampling: the prompt is computed; make samples 1..n-1 share its blocks (copy on
+        write) and draw their first tokens from the same logits. Returns (sample, token) pairs."""
+        parent.forked = True
+        p = parent.params
+        children = []
+        for i in range(1, p.n):
+            params = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
+            child = Request((parent.request_id, i), parent.prompt_token_ids, params, parent_id=parent.request_id,
+                            index=i)
+            child.forked = True
+            self.scheduler.add_forked(parent, child)
+            children.append(child)
+        tokens = sample(logits.expand(len(children), -1), [c.params for c in children],
+                        [c.generator for c in children])
+        return list(zip(children, tokens))
 
     def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
         p = request.params
@@ -128,10 +163,11 @@ class Engine:
     @staticmethod
     def _output(request: Request, new: list[int]) -> RequestOutput:
         return RequestOutput(request.request_id, request.prompt_token_ids, list(request.output_token_ids), new,
-                             request.status, request.error)
+                             request.status, request.error, request.parent_id, request.index)
 
     # --- whole workloads --------------------------------------------------------------------------
-    def _add_all(self, prompts, params) -> list[Hashable]:
+    def _add_all(self, prompts, params) -> list[tuple[Hashable, int]]:
+        """Queue every prompt (all validated first); returns (request id, n) per prompt."""
         if not prompts:
             raise ValueError("prompts is empty")
         if params is None or isinstance(params, SamplingParams):
@@ -141,10 +177,11 @@ class Engine:
         for i, p in enumerate(prompts):  # validate all before queueing any
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
-        return [self.add_request(p, sp) for p, sp in zip(prompts, params)]
+        return [(self.add_request(p, sp), 1 if sp is None else sp.n) for p, sp in zip(prompts, params)]
 
     def stream(self, prompts: Sequence[Sequence[int]], params=None) -> Iterator[tuple[Hashable, int]]:
-        """Yield (request_id, token) as each token is sampled, until every request has finished."""
+        """Yield (request_id, token) as each token is sampled, until every request has finished.
+        Samples 1..n-1 of an n > 1 request yield under the id (request_id, i)."""
         self._add_all(prompts, params)
         while self.has_unfinished_requests():
             for out in self.step():
@@ -153,11 +190,19 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, prompts: Sequence[Sequence[int]], params=None) -> list[RequestOutput]:
-        """Run prompts to completion; one final RequestOutput per prompt, in prompt order."""
+        """Run prompts to completion; one final RequestOutput per prompt, in prompt order. Its
+        completions hold all n samples (output_token_ids is sample 0)."""
         ids = self._add_all(prompts, params)
         final: dict[Hashable, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.finished:
                     final[out.request_id] = out
-        return [final[i] for i in ids]
+        results = []
+        for request_id, n in ids:
+            out = final[request_id]
+            if out.status is RequestStatus.FINISHED_ERROR:  # never ran, so never forked
+                n = 1
+            out.completions = [out.output_token_ids] + [final[(request_id, k)].output_token_ids for k in range(1, n)]
+            results.append(out)
+        return results

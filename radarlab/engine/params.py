@@ -9,7 +9,8 @@ class SamplingParams:
     """temperature 0 means greedy. top_k 0 (or -1) and top_p 1.0 mean no truncation.
 
     seed makes the request's samples reproducible whatever else is in the batch: each request
-    draws from its own generator. n > 1 (parallel samples) is not supported by the engine yet.
+    draws from its own generator. n > 1 asks for n samples of one prompt (parallel sampling): the
+    prompt is computed once and its blocks shared; sample i draws from seed + i.
     """
     temperature: float = 0.0
     top_k: int = 0

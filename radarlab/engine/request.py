@@ -32,8 +32,11 @@ class Request:
     """
 
     def __init__(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_index: int = 0) -> None:
+                 arrival_index: int = 0, parent_id: Hashable | None = None, index: int = 0) -> None:
         self.request_id = request_id
+        self.parent_id = parent_id  # parallel sampling: the request this sample was forked from
+        self.index = index  # which of the parent's n samples this is (the parent is sample 0)
+        self.forked = False  # n > 1: the other n - 1 samples exist (forked after the prompt)
         self.prompt_token_ids = list(prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.params = params
@@ -59,6 +62,11 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_seats(self) -> int:
+        """Sequence slots (max_num_seqs) the request takes: n until its samples are forked, then 1 each."""
+        return 1 if self.forked else self.params.n
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={len(self.prompt_token_ids)}, "

@@ -57,6 +57,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_seats > self.max_num_seqs:
+            raise ValueError(f"n={request.params.n} samples need {request.num_seats} sequence slots, more than "
+                             f"max_num_seqs={self.max_num_seqs}")
         self.requests[request.request_id] = request
         if len(request.prompt_token_ids) > self.max_model_len:
             self._finish_error(request, f"prompt has {len(request.prompt_token_ids)} tokens, more than "
@@ -114,8 +117,10 @@ class Scheduler:
         # After a preemption admit nothing (the pool is short) unless nothing runs: then the pool is
         # all free, and the head either fits or can never fit (an error), so the step makes progress.
         may_admit = not (out.preempted and self.running)
-        while may_admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while may_admit and self.waiting and budget > 0:
             request = self.waiting[0]
+            if len(self.running) + request.num_seats > self.max_num_seqs:
+                break
             token_ids = request.all_token_ids
             status = self.manager.can_allocate(token_ids)
             if status is AllocStatus.NEVER:
@@ -138,6 +143,17 @@ class Scheduler:
             raise RuntimeError(f"scheduler made no progress: {len(self.waiting)} waiting, "
                                f"{len(self.running)} running, {self.manager.num_free_blocks} free blocks")
         return out
+
+    def add_forked(self, parent: Request, child: Request) -> None:
+        """A sample forked from a running parent (n > 1): it shares the parent's blocks and runs
+        right after it."""
+        if child.request_id in self.requests:
+            raise ValueError(f"request id {child.request_id!r} is already in use")
+        self.manager.fork(parent.request_id, child.request_id)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.status = RequestStatus.RUNNING
+        self.requests[child.request_id] = child
+        self.running.insert(self.running.index(parent) + child.index, child)
 
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the pool."""

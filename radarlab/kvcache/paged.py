@@ -31,11 +31,13 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks).
     The caller validates the slots (check_slot_mapping).
     """
-    block_size = k_cache.shape[1]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache[slots // block_size, slots % block_size] = k[keep].to(k_cache.dtype)
-    v_cache[slots // block_size, slots % block_size] = v[keep].to(v_cache.dtype)
+    slots = slot_mapping.long()
+    if bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    # A pool [num_blocks, block_size, ...] viewed as [num_slots, ...]: slot s is row s.
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
 
 
 class PagedKVCache:
@@ -71,6 +73,7 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.backend = backend
+        self._checked: AttentionMetadata | None = None  # the metadata attend() last validated
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
@@ -88,13 +91,19 @@ class PagedKVCache:
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
+        self._check_kv(layer, k, v)
+        slot_mapping = slot_mapping.to(self.k.device)
+        check_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
+        self._write(layer, k, v, slot_mapping)
+
+    def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self._check_layer(layer)
         expected = (self.num_kv_heads, self.head_dim)
         if k.dim() != 3 or tuple(k.shape[1:]) != expected or v.shape != k.shape:
             raise ValueError(f"k and v must be [num_tokens, {expected[0]}, {expected[1]}]; got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-        slot_mapping = slot_mapping.to(self.k.device)
-        check_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.backend == "triton":
             from radarlab.attention.triton_paged import triton_reshape_and_cache
 
@@ -132,8 +141,12 @@ class PagedKVCache:
         tables = meta.block_tables.to(device)
         seq_lens = meta.seq_lens.to(device)
         starts = meta.query_start_loc.to(device)
-        check_block_tables(tables, seq_lens, self.num_blocks, self.block_size)  # before anything is written
-        self.write(layer, k, v, meta.slot_mapping)
+        self._check_kv(layer, k, v)
+        if self._checked is not meta:  # every layer of a step shares one metadata: check it once
+            check_block_tables(tables, seq_lens, self.num_blocks, self.block_size)  # before anything is written
+            check_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
+            self._checked = meta
+        self._write(layer, k, v, meta.slot_mapping.to(device))
         if self.backend == "triton":
             from radarlab.attention.triton_paged import triton_paged_attention
 

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.attention.metadata import AttentionMetadata
+from radarlab.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = {"llama"}
 
@@ -132,10 +133,10 @@ class Attention(nn.Module):
         self.layer = layer
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
-        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=bias)
+        self.q_proj = Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
+        self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
+        self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=bias)
         self.scale = config.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache: KVCacheBackend, meta: AttentionMetadata) -> torch.Tensor:
@@ -153,9 +154,9 @@ class MLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -183,7 +184,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)

@@ -1,0 +1,46 @@
+"""nn.Linear whose bf16/fp16 matmuls run in fp32 on CPUs without half-precision instructions.
+
+On an AVX2-only CPU (no AVX512-BF16, no AMX) torch has no fast bf16 GEMM: measured here, a
+[64, 576] x [576, 1536] bf16 matmul takes 11 ms against 2.4 ms in fp32, and vLLM's CPU build pays
+the same price. Upcasting both operands to fp32, multiplying, and rounding the result back to bf16
+gives the numbers a native bf16 GEMM gives (bf16 products are exact in fp32 and GEMMs accumulate
+in fp32 anyway), so the model stays a bf16 model: bf16 weights in memory, bf16 activations between
+layers. For a few rows the weight conversion costs more than it saves, so small batches keep the
+native path. GPUs and bf16-capable CPUs always take the native path.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+UPCAST_MIN_ROWS = 16  # below this the native bf16 GEMM is as fast (measured: 1 row 0.36 ms vs 0.84 ms)
+
+
+@functools.cache
+def cpu_has_native_half() -> bool:
+    """True if this CPU has bf16 instructions torch uses (AVX512-BF16 or AMX)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, name)() for name in probes if hasattr(torch.cpu, name))
+    except RuntimeError:
+        return False
+
+
+def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Does this matmul take the fp32 path? Half-precision weights, on a CPU without half GEMMs,
+    with enough rows to amortise converting the weight."""
+    return (weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
+            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] and not cpu_has_native_half())
+
+
+class Linear(nn.Linear):
+    """Same parameters and state dict as nn.Linear; see the module docstring for the CPU path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not upcasts(x, self.weight):
+            return F.linear(x, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
