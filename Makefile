@@ -63,9 +63,10 @@ figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
 
 # Benchmarks write JSON under bench-results/ (ignored by git); compare ratios within one run.
-bench: setup model
+bench: setup model vllm
 	mkdir -p bench-results
 	$(VPY) -m radarlab.bench memory --json bench-results/memory.json
+	$(VPY) -m radarlab.bench throughput --json bench-results/throughput.json
 
 validate: setup model vllm
 	$(VPY) -m radarlab.validate

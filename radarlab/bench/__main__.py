@@ -1,7 +1,8 @@
 """`python -m radarlab.bench SUBCOMMAND [options] [--json PATH]`: measure a goal, print a table, write JSON.
 
 Subcommands:
-  memory   reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
+  memory       reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
+  throughput   output tokens/s of the radarlab engine, transformers and vLLM on the same prompts
 """
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import memory
+    from radarlab.bench import memory, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -18,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each benchmark module provides add_arguments(parser) and main(args) -> exit code.
     for name, module, help_text in [
         ("memory", memory, "reserved vs live KV memory: contiguous vs paged cache"),
+        ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)

@@ -1,0 +1,53 @@
+"""Where a step's time goes: torch.profiler's self time per op, grouped into parts a learner can act on.
+
+An op's self time excludes the ops it called, so the groups do not double count. What the profiler
+does not see (Python: the scheduler, building metadata, module calls) is wall time minus the sum of
+all self times. The grouping is by op name, so it is approximate: aten::index is mostly the K/V
+gather from blocks but also picks the rows for the LM head, and aten::copy_ is mostly the bf16 to
+fp32 weight conversion on CPUs without bf16 GEMMs (radarlab.models.linear) but also other casts.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+GROUPS: dict[str, tuple[str, ...]] = {
+    "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm"),
+    "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
+    "attention: scores, softmax, weighted sum": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
+                                                 "aten::masked_fill"),
+    "dtype casts and copies": ("aten::copy_", "aten::_to_copy", "aten::clone"),
+    "KV write at slot mapping": ("aten::index_put_", "aten::_index_put_impl_"),
+}
+OTHER_OPS = "other ops (norms, RoPE, SiLU, adds, views)"
+UNPROFILED = "outside ops (Python: scheduler, metadata, module calls)"
+
+
+def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
+    """Run fn `repeat` times under the profiler. Returns {"wall_ms", "groups": {name: ms}} with
+    times per call; the groups, OTHER_OPS and UNPROFILED add up to wall_ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
+        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            fn()
+        wall_ms = (time.perf_counter() - t0) * 1e3 / repeat
+    self_ms: dict[str, float] = {}
+    for event in prof.key_averages():
+        self_ms[event.key] = self_ms.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / repeat
+    groups = {name: sum(self_ms.pop(op, 0.0) for op in ops) for name, ops in GROUPS.items()}
+    groups[OTHER_OPS] = sum(self_ms.values())
+    groups[UNPROFILED] = max(wall_ms - sum(groups.values()), 0.0)
+    return {"wall_ms": wall_ms, "groups": groups}
+
+
+def format_breakdown(breakdown: dict) -> str:
+    wall = breakdown["wall_ms"]
+    width = max(len(name) for name in breakdown["groups"])
+    lines = [f"{'per step':<{width}} {wall:9.1f} ms"]
+    for name, ms in sorted(breakdown["groups"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"{name:<{width}} {ms:9.1f} ms {100 * ms / wall:5.1f}%")
+    return "\n".join(lines)

@@ -1,0 +1,364 @@
+"""Offline throughput: the same seeded prompts through the radarlab engine, transformers and vLLM, in one run.
+
+Every system gets the same job: a batch of B random-token prompts (16-128 tokens), 64 new tokens
+each, greedy, EOS ignored, all requests submitted at once. Output tokens per second of wall time,
+prefill included, is the figure (vLLM's `benchmark_throughput` reports the same quantity).
+
+- radarlab: Engine.generate on a fresh pool sized so memory never limits the batch.
+- transformers: `generate` with static batching, prompts left-padded to the longest (its default
+  sdpa attention).
+- vLLM: the CPU build (or CUDA build) through the validation harness, one process per dtype; its
+  LLM.generate is timed inside the worker, so start-up is excluded as for the others. Prefix
+  caching is off: the batches share prompts, and a hit would skip work the others do.
+
+Each system runs one short warm-up batch per dtype first. Greedy outputs are compared with
+radarlab's as a check that the systems did the same work (in fp32 they should mostly agree;
+random-token prompts give flat distributions, so near-ties flip in bf16).
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+SYSTEMS = ("radarlab", "transformers", "vllm")
+DTYPES = ("bfloat16", "float32")
+
+# Measured on the machine that wrote ENVIRONMENT.md (bf16, output tokens/s), before this benchmark
+# existed. Shown beside ours; a different CPU gives different numbers.
+REFERENCE_BF16 = {"vllm": {1: 26.7, 16: 315.0, 64: 610.0}, "transformers": {1: 18.9, 16: 172.0, 64: 303.0}}
+GOAL = "radarlab >= transformers at every batch size, and >= 0.8x vLLM at batch 64 (1.0x the stretch)"
+GOAL_VLLM_RATIO = 0.8
+
+
+@dataclass(frozen=True)
+class ThroughputConfig:
+    batch_sizes: tuple[int, ...] = (1, 16, 64)
+    dtypes: tuple[str, ...] = DTYPES
+    systems: tuple[str, ...] = SYSTEMS
+    max_tokens: int = 64
+    min_prompt_len: int = 16
+    max_prompt_len: int = 128
+    seed: int = 0
+    model: str | None = None  # HF id or directory; None is the course model
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048  # radarlab's per-step token budget (chunked prefill)
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens"):
+            _check_positive_int(name, getattr(self, name))
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+        if self.min_prompt_len > self.max_prompt_len:
+            raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above max_prompt_len ({self.max_prompt_len})")
+        if not self.batch_sizes:
+            raise ValueError("batch_sizes is empty")
+        for b in self.batch_sizes:
+            _check_positive_int("batch_sizes", b)
+        for name, values, allowed in [("dtypes", self.dtypes, DTYPES), ("systems", self.systems, SYSTEMS)]:
+            if not values:
+                raise ValueError(f"{name} is empty")
+            bad = [v for v in values if v not in allowed]
+            if bad or len(set(values)) != len(values):
+                raise ValueError(f"{name} must be distinct values from {allowed}, got {list(values)}")
+
+
+def _check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def make_prompts(num_prompts: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
+    """Random token ids, lengths uniform in [min_len, max_len]. Batch size B uses the first B, so a
+    smaller batch is a prefix of a larger one and every system sees the same prompts."""
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(min_len, max_len + 1, size=num_prompts)
+    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
+
+
+@dataclass
+class Measurement:
+    system: str
+    batch_size: int
+    dtype: str
+    output_tokens: int
+    seconds: float
+    tokens_per_s: float = field(init=False)
+    outputs: list[list[int]] = field(default_factory=list, repr=False)
+
+    def __post_init__(self) -> None:
+        self.tokens_per_s = self.output_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d.pop("outputs")
+        return d
+
+
+def _count(outputs: list[list[int]], expected: int, system: str) -> int:
+    """Every request must have produced exactly max_tokens tokens, or the comparison is unfair."""
+    short = [i for i, o in enumerate(outputs) if len(o) != expected]
+    if short:
+        raise RuntimeError(f"{system}: request {short[0]} produced {len(outputs[short[0]])} tokens, expected {expected}")
+    return sum(len(o) for o in outputs)
+
+
+# --- the three systems --------------------------------------------------------------------------
+def run_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
+    from radarlab.engine import Engine, SamplingParams
+    from radarlab.models.paged_runner import blocks_needed
+
+    num_blocks = blocks_needed(prompts, config.max_tokens, config.block_size)
+    engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
+                    max_num_batched_tokens=config.max_num_batched_tokens)
+    params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - t0
+    return [o.output_token_ids for o in outputs], seconds
+
+
+def run_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], config: ThroughputConfig
+                     ) -> tuple[list[list[int]], float]:
+    """Static batching: left-pad to the longest prompt, one generate call for the batch."""
+    import torch
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p):] = torch.tensor(p)
+        attention_mask[i, width - len(p):] = 1
+    gen = GenerationConfig(max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens, do_sample=False,
+                           pad_token_id=pad_token_id, eos_token_id=None)
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        out = hf_model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen)
+        seconds = time.perf_counter() - t0
+    return out[:, width:].tolist(), seconds
+
+
+def vllm_request(batches: list[list[list[int]]], dtype: str, config: ThroughputConfig) -> dict:
+    """One worker request: a warm-up batch, then one generate() call per batch size."""
+    request = {"kind": "generate", "batches": batches, "dtype": dtype, "max_tokens": config.max_tokens,
+               "logprobs": 0, "temperature": 0.0, "ignore_eos": True, "enable_prefix_caching": False,
+               "max_num_seqs": max(config.batch_sizes)}
+    if config.model is not None:
+        request["model"] = config.model
+    return request
+
+
+def run_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
+             ) -> tuple[list[tuple[list[list[int]], float]], dict]:
+    """[(outputs, seconds) per prompt set], plus what the worker said about itself."""
+    from radarlab.validate.vllm import run_vllm as run_worker
+
+    warmup = [prompt_sets[0][:2]]
+    response = run_worker(vllm_request(warmup + prompt_sets, dtype, config))
+    outputs = [o["token_ids"] for o in response["outputs"]]
+    results, start = [], len(warmup[0])
+    for prompts, batch in zip(prompt_sets, response["batches"][1:]):
+        results.append((outputs[start:start + len(prompts)], batch["generate_s"]))
+        start += len(prompts)
+    return results, {"vllm_version": response["vllm_version"], "device": response["device"],
+                     "init_s": response["init_s"]}
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[Measurement], dict]:
+    """All systems, dtypes and batch sizes; returns the measurements and facts about the systems."""
+    import torch
+
+    from radarlab.models.llama import Llama
+    from radarlab.models.loader import load_hf
+
+    measurements: list[Measurement] = []
+    info: dict = {}
+    for dtype_name in config.dtypes:
+        dtype = getattr(torch, dtype_name)
+        hf_model, tokenizer = load_hf(config.model, dtype=dtype)
+        vocab = hf_model.config.vocab_size
+        prompt_sets = [make_prompts(max(config.batch_sizes), vocab, config.min_prompt_len, config.max_prompt_len,
+                                    config.seed)[:b] for b in config.batch_sizes]
+
+        def record(system, prompts, outputs, seconds):
+            m = Measurement(system, len(prompts), dtype_name, _count(outputs, config.max_tokens, system), seconds,
+                            outputs)
+            measurements.append(m)
+            log(f"{system:>12} {dtype_name:>8} batch {m.batch_size:>3}: {m.output_tokens:>5} tokens in "
+                f"{m.seconds:7.2f} s = {m.tokens_per_s:7.1f} tok/s")
+
+        if "radarlab" in config.systems:
+            model = Llama.from_hf(hf_model)
+            run_radarlab(model, prompt_sets[0][:2], _warmup(config))
+            for prompts in prompt_sets:
+                record("radarlab", prompts, *run_radarlab(model, prompts, config))
+            del model
+        if "transformers" in config.systems:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+            run_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
+            for prompts in prompt_sets:
+                record("transformers", prompts, *run_transformers(hf_model, pad, prompts, config))
+        del hf_model
+        if "vllm" in config.systems:
+            results, info["vllm"] = run_vllm(prompt_sets, dtype_name, config)
+            for prompts, (outputs, seconds) in zip(prompt_sets, results):
+                record("vllm", prompts, outputs, seconds)
+    return measurements, info
+
+
+def _warmup(config: ThroughputConfig) -> ThroughputConfig:
+    from dataclasses import replace
+
+    return replace(config, max_tokens=min(4, config.max_tokens))
+
+
+def ratios(measurements: list[Measurement]) -> list[dict]:
+    """radarlab's throughput over each other system's, and the fraction of requests whose greedy
+    output equals radarlab's, per (dtype, batch size)."""
+    by_key = {(m.system, m.dtype, m.batch_size): m for m in measurements}
+    rows = []
+    for m in measurements:
+        if m.system != "radarlab":
+            continue
+        row = {"dtype": m.dtype, "batch_size": m.batch_size}
+        for other in SYSTEMS[1:]:
+            o = by_key.get((other, m.dtype, m.batch_size))
+            if o is not None:
+                row[f"radarlab_over_{other}"] = m.tokens_per_s / o.tokens_per_s
+                same = sum(a == b for a, b in zip(m.outputs, o.outputs))
+                row[f"outputs_equal_{other}"] = same / len(m.outputs)
+        rows.append(row)
+    return rows
+
+
+def goal(measurements: list[Measurement]) -> dict:
+    """Per dtype: met when radarlab >= transformers at every batch size measured and >= 0.8x vLLM at
+    the largest batch size measured. None where a system was not run."""
+    out = {}
+    for dtype in sorted({m.dtype for m in measurements}):
+        rs = [r for r in ratios(measurements) if r["dtype"] == dtype]
+        vs_hf = [r.get("radarlab_over_transformers") for r in rs]
+        largest = max(rs, key=lambda r: r["batch_size"]) if rs else {}
+        vs_vllm = largest.get("radarlab_over_vllm")
+        out[dtype] = {
+            "at_least_transformers": None if not vs_hf or None in vs_hf else min(vs_hf) >= 1.0,
+            "vllm_ratio_at_largest_batch": vs_vllm,
+            "at_least_0.8x_vllm": None if vs_vllm is None else vs_vllm >= GOAL_VLLM_RATIO,
+        }
+    return {"goal": GOAL, "by_dtype": out}
+
+
+def report(config: ThroughputConfig, measurements: list[Measurement], info: dict) -> dict:
+    from radarlab.bench.report import environment
+
+    import torch
+
+    from radarlab.models.linear import cpu_has_native_half
+
+    env = environment()
+    env["torch_threads"] = torch.get_num_threads()
+    env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+    env["cpu_native_bf16"] = cpu_has_native_half()
+    env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
+    params = asdict(config)
+    params["workload"] = ("random token ids, lengths uniform in [min_prompt_len, max_prompt_len], greedy, "
+                          "EOS ignored, all requests submitted at once; batch size B uses the first B prompts")
+    return {
+        "benchmark": "throughput",
+        "parameters": params,
+        "environment": env,
+        "results": [m.row() for m in measurements],
+        "ratios": ratios(measurements),
+        "goal": goal(measurements),
+        "reference_bf16_other_machine": REFERENCE_BF16,
+    }
+
+
+def format_table(doc: dict) -> str:
+    res = doc["results"]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in res))
+    sizes = sorted({r["batch_size"] for r in res})
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in res)]
+    lines = []
+    for dtype in dtypes:
+        lines.append(f"output tokens/s, {dtype}")
+        lines.append(f"{'batch size':>22}" + "".join(f"{b:>9}" for b in sizes))
+        for s in systems:
+            vals = {r["batch_size"]: r["tokens_per_s"] for r in res if r["system"] == s and r["dtype"] == dtype}
+            lines.append(f"{s:>22}" + "".join(f"{vals[b]:>9.1f}" if b in vals else f"{'-':>9}" for b in sizes))
+        for other in systems[1:]:
+            key = f"radarlab_over_{other}"
+            vals = {r["batch_size"]: r[key] for r in doc["ratios"] if r["dtype"] == dtype and key in r}
+            lines.append(f"{'radarlab / ' + other:>22}" + "".join(f"{vals[b]:>8.2f}x" if b in vals else f"{'-':>9}"
+                                                                  for b in sizes))
+        g = doc["goal"]["by_dtype"].get(dtype, {})
+        lines.append(f"goal: >= transformers everywhere: {_yes(g.get('at_least_transformers'))}; "
+                     f">= 0.8x vLLM at the largest batch: {_yes(g.get('at_least_0.8x_vllm'))}")
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def _yes(value) -> str:
+    return "not measured" if value is None else ("met" if value else "NOT met")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = ThroughputConfig()
+    parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
+    parser.add_argument("--dtypes", default=",".join(c.dtypes), help="(%(default)s)")
+    parser.add_argument("--systems", default=",".join(c.systems),
+                        help="(%(default)s); vllm needs `make vllm`")
+    parser.add_argument("--max-tokens", type=int, default=c.max_tokens, help="new tokens per request (%(default)s)")
+    parser.add_argument("--min-prompt-len", type=int, default=c.min_prompt_len, help="(%(default)s)")
+    parser.add_argument("--max-prompt-len", type=int, default=c.max_prompt_len, help="(%(default)s)")
+    parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
+    parser.add_argument("--model", default=None, help="HF model id or directory (default: the course model)")
+    parser.add_argument("--block-size", type=int, default=c.block_size, help="radarlab block size (%(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
+                        help="radarlab's token budget per step (%(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
+    """Raises ValueError naming the bad flag."""
+    def ints(flag, text):
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
+
+    def names(text):
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    fields = dict(batch_sizes=ints("batch-sizes", args.batch_sizes), dtypes=names(args.dtypes),
+                  systems=names(args.systems), max_tokens=args.max_tokens, min_prompt_len=args.min_prompt_len,
+                  max_prompt_len=args.max_prompt_len, seed=args.seed, model=args.model, block_size=args.block_size,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    try:
+        return ThroughputConfig(**fields)
+    except ValueError as err:
+        name = str(err).split(" ", 1)[0]
+        flag = f"--{name.replace('_', '-')}" if name in fields else "arguments"
+        raise ValueError(f"{flag}: {err}") from None
+
+
+def main(args: argparse.Namespace) -> int:
+    from radarlab.bench.report import write_json
+
+    config = config_from_args(args)
+    if "vllm" in config.systems:
+        from radarlab.validate.vllm import vllm_python
+
+        if vllm_python() is None:
+            raise ValueError("--systems includes vllm but there is no vLLM environment: run `make vllm`, set "
+                             "RADARLAB_VLLM_PYTHON, or pass --systems radarlab,transformers")
+    measurements, info = run(config)
+    doc = report(config, measurements, info)
+    print(format_table(doc))
+    if args.json:
+        write_json(args.json, doc)
+    return 0

@@ -1,0 +1,31 @@
+"""op_breakdown: the groups account for the whole step and the matmuls are found where they are."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radarlab.bench.profile import GROUPS, OTHER_OPS, UNPROFILED, format_breakdown, op_breakdown
+
+
+def test_groups_add_up_to_wall_time_and_find_the_matmuls():
+    x, w = torch.randn(256, 256), torch.randn(256, 256)
+
+    def step():
+        y = x @ w  # aten::mm
+        return torch.softmax(y, -1).sum()
+
+    b = op_breakdown(step, repeat=3)
+    groups = b["groups"]
+    assert set(groups) == set(GROUPS) | {OTHER_OPS, UNPROFILED}
+    assert sum(groups.values()) == pytest.approx(b["wall_ms"], rel=1e-6)
+    assert groups["matmuls (linear layers, LM head)"] > 0
+    assert groups["KV write at slot mapping"] == 0
+    assert groups[OTHER_OPS] > 0  # softmax and sum are not in any group
+    text = format_breakdown(b)
+    assert text.splitlines()[0].startswith("per step") and "matmuls" in text
+
+
+@pytest.mark.parametrize("repeat", [0, -1, 1.5, True])
+def test_bad_repeat_raises(repeat):
+    with pytest.raises(ValueError, match="repeat"):
+        op_breakdown(lambda: None, repeat=repeat)

@@ -1,0 +1,113 @@
+"""The throughput benchmark: seeded prompts, the ratio and goal arithmetic on hand-made numbers, bad
+flags, and one tiny end-to-end run of all three systems (the speed goal itself is a benchmark
+figure, not asserted here)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radarlab.bench.__main__ import main as bench_main
+from radarlab.bench.throughput import (
+    Measurement, ThroughputConfig, format_table, goal, make_prompts, ratios,
+)
+
+
+def test_prompts_are_seeded_and_in_range():
+    a = make_prompts(64, 1000, 16, 128, seed=0)
+    assert a == make_prompts(64, 1000, 16, 128, seed=0) and a != make_prompts(64, 1000, 16, 128, seed=1)
+    assert all(16 <= len(p) <= 128 and all(0 <= t < 1000 for t in p) for p in a)
+    assert len({len(p) for p in a}) > 20  # lengths really vary
+    assert make_prompts(64, 1000, 16, 128, seed=0)[:16] == a[:16]  # a smaller batch is a prefix
+
+
+def m(system, bs, tps, dtype="float32", outputs=None):
+    out = Measurement(system, bs, dtype, output_tokens=int(tps * 2), seconds=2.0,
+                      outputs=outputs or [[1, 2]] * bs)
+    assert out.tokens_per_s == pytest.approx(tps)
+    return out
+
+
+def test_ratios_and_goal():
+    ms = [m("radarlab", 1, 20), m("transformers", 1, 10), m("vllm", 1, 40),
+          m("radarlab", 64, 300, outputs=[[1, 2]] * 32 + [[1, 3]] * 32), m("transformers", 64, 200),
+          m("vllm", 64, 400)]
+    rows = {r["batch_size"]: r for r in ratios(ms)}
+    assert rows[1]["radarlab_over_transformers"] == pytest.approx(2.0)
+    assert rows[1]["radarlab_over_vllm"] == pytest.approx(0.5)
+    assert rows[64]["radarlab_over_vllm"] == pytest.approx(0.75)
+    assert rows[64]["outputs_equal_vllm"] == pytest.approx(0.5) and rows[1]["outputs_equal_vllm"] == 1.0
+    g = goal(ms)["by_dtype"]["float32"]
+    assert g["at_least_transformers"] is True and g["at_least_0.8x_vllm"] is False  # 0.75 < 0.8
+    ms[-1] = m("vllm", 64, 375)
+    assert goal(ms)["by_dtype"]["float32"]["at_least_0.8x_vllm"] is True  # 300/375 = 0.8 exactly
+    ms[1] = m("transformers", 1, 21)
+    assert goal(ms)["by_dtype"]["float32"]["at_least_transformers"] is False
+    assert goal(ms[:1])["by_dtype"]["float32"] == {"at_least_transformers": None,
+                                                   "vllm_ratio_at_largest_batch": None, "at_least_0.8x_vllm": None}
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("batch_sizes", (1, 0), "batch_sizes"),
+    ("batch_sizes", (), "batch_sizes is empty"),
+    ("dtypes", ("float16",), "dtypes"),
+    ("systems", ("radarlab", "radarlab"), "systems"),
+    ("max_tokens", 0, "max_tokens"),
+    ("min_prompt_len", 200, "above max_prompt_len"),
+    ("seed", -1, "seed"),
+])
+def test_bad_config_raises(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        ThroughputConfig(**{field: value})
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--batch-sizes", "1,x"], "--batch-sizes"),
+    (["--batch-sizes", "0"], "--batch-sizes"),
+    (["--dtypes", "int8"], "--dtypes"),
+    (["--max-tokens", "-3"], "--max-tokens"),
+])
+def test_bad_flags_exit_2_naming_the_flag(argv, match, capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["throughput", *argv])
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.vllm
+def test_end_to_end_three_systems(tmp_path, capsys):
+    path = tmp_path / "throughput.json"
+    code = bench_main(["throughput", "--batch-sizes", "1,3", "--dtypes", "float32", "--max-tokens", "4",
+                       "--json", str(path)])
+    assert code == 0
+    doc = json.loads(path.read_text())
+    assert doc["benchmark"] == "throughput" and doc["environment"]["vllm_vllm_version"]
+    got = {(r["system"], r["batch_size"]) for r in doc["results"]}
+    assert got == {(s, b) for s in ("radarlab", "transformers", "vllm") for b in (1, 3)}
+    for r in doc["results"]:
+        assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s"}
+        assert r["dtype"] == "float32" and r["output_tokens"] == 4 * r["batch_size"]
+        assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
+    # the systems did the same work: fp32 greedy continuations agree
+    for row in doc["ratios"]:
+        assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
+    table = capsys.readouterr().out
+    assert "radarlab / vllm" in table and "output tokens/s, float32" in table
+    assert format_table(doc).splitlines()[0] == "output tokens/s, float32"
+
+
+def test_plot_throughput_draws_one_bar_per_system_and_batch():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from radarlab.viz.throughput import plot_throughput
+
+    ms = [m("radarlab", 1, 20), m("transformers", 1, 10), m("radarlab", 16, 300), m("transformers", 16, 90),
+          m("radarlab", 16, 50, dtype="bfloat16")]
+    fig = plot_throughput({"results": [x.row() for x in ms]})
+    f32, bf16 = fig.axes
+    assert [t.get_text() for t in f32.get_xticklabels()] == ["1", "16"]
+    assert sorted(round(p.get_height()) for p in f32.patches) == [10, 20, 90, 300]
+    assert [round(p.get_height()) for p in bf16.patches if p.get_height()] == [50]
+    with pytest.raises(ValueError, match="results"):
+        plot_throughput({"results": []})
