@@ -63,10 +63,12 @@ figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
 
 # Benchmarks write JSON under bench-results/ (ignored by git); compare ratios within one run.
+# results/ keeps the runs notebook 05 reads (copied from bench-results/ on a quiet machine).
 bench: setup model vllm
 	mkdir -p bench-results
 	$(VPY) -m radarlab.bench memory --json bench-results/memory.json
 	$(VPY) -m radarlab.bench throughput --json bench-results/throughput.json
+	$(VPY) -m radarlab.bench latency --threads 1 --json bench-results/latency.json
 
 validate: setup model vllm
 	$(VPY) -m radarlab.validate

@@ -9,16 +9,25 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
-    Measurement, ThroughputConfig, format_table, goal, make_prompts, ratios,
+    Measurement, ThroughputConfig, format_table, goal, ratios,
 )
+from radarlab.bench.workload import random_token_prompts
 
 
 def test_prompts_are_seeded_and_in_range():
-    a = make_prompts(64, 1000, 16, 128, seed=0)
-    assert a == make_prompts(64, 1000, 16, 128, seed=0) and a != make_prompts(64, 1000, 16, 128, seed=1)
+    a = random_token_prompts(64, 1000, (16, 128), seed=0)
+    assert a == random_token_prompts(64, 1000, (16, 128), seed=0) != random_token_prompts(64, 1000, (16, 128), seed=1)
     assert all(16 <= len(p) <= 128 and all(0 <= t < 1000 for t in p) for p in a)
     assert len({len(p) for p in a}) > 20  # lengths really vary
-    assert make_prompts(64, 1000, 16, 128, seed=0)[:16] == a[:16]  # a smaller batch is a prefix
+    assert random_token_prompts(16, 1000, (16, 128), seed=0) == a[:16]  # a smaller batch is a prefix
+    assert {len(p) for p in random_token_prompts(300, 10, (3, 5), seed=0)} == {3, 4, 5}
+
+
+@pytest.mark.parametrize("args, match", [((0, 10), "num_prompts"), ((3, 0), "vocab_size"),
+                                         ((3, 10, (0, 4)), "len_range"), ((3, 10, (5, 4)), "len_range")])
+def test_bad_prompt_arguments_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        random_token_prompts(*args)
 
 
 def m(system, bs, tps, dtype="float32", outputs=None):

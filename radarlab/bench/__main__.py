@@ -3,6 +3,7 @@
 Subcommands:
   memory       reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
   throughput   output tokens/s of the radarlab engine, transformers and vLLM on the same prompts
+  latency      TTFT, inter-token latency and throughput under Poisson arrivals, swept over request rates
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import memory, throughput
+    from radarlab.bench import latency, memory, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -19,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Each benchmark module provides add_arguments(parser) and main(args) -> exit code.
     for name, module, help_text in [
         ("memory", memory, "reserved vs live KV memory: contiguous vs paged cache"),
+        ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])

@@ -8,6 +8,9 @@ fp32 weight conversion on CPUs without bf16 GEMMs (radarlab.models.linear) but a
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import time
 from typing import Callable
 
@@ -30,11 +33,17 @@ def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
 
     if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
         raise ValueError(f"repeat must be a positive int, got {repeat!r}")
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU])
+    with _stderr_silenced():  # the profiler's C++ side prints start/stop lines to stderr
+        prof.start()
+    try:
         t0 = time.perf_counter()
         for _ in range(repeat):
             fn()
         wall_ms = (time.perf_counter() - t0) * 1e3 / repeat
+    finally:
+        with _stderr_silenced():
+            prof.stop()
     self_ms: dict[str, float] = {}
     for event in prof.key_averages():
         self_ms[event.key] = self_ms.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / repeat
@@ -42,6 +51,21 @@ def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
     groups[OTHER_OPS] = sum(self_ms.values())
     groups[UNPROFILED] = max(wall_ms - sum(groups.values()), 0.0)
     return {"wall_ms": wall_ms, "groups": groups}
+
+
+@contextlib.contextmanager
+def _stderr_silenced():
+    """Point file descriptor 2 at /dev/null for a moment (C++ writes bypass sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(devnull)
+        os.close(saved)
 
 
 def format_breakdown(breakdown: dict) -> str:

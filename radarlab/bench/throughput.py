@@ -21,7 +21,7 @@ import argparse
 import time
 from dataclasses import asdict, dataclass, field
 
-import numpy as np
+from radarlab.bench.workload import random_token_prompts
 
 SYSTEMS = ("radarlab", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
@@ -68,14 +68,6 @@ class ThroughputConfig:
 def _check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def make_prompts(num_prompts: int, vocab_size: int, min_len: int, max_len: int, seed: int) -> list[list[int]]:
-    """Random token ids, lengths uniform in [min_len, max_len]. Batch size B uses the first B, so a
-    smaller batch is a prefix of a larger one and every system sees the same prompts."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.integers(min_len, max_len + 1, size=num_prompts)
-    return [rng.integers(0, vocab_size, size=int(n)).tolist() for n in lengths]
 
 
 @dataclass
@@ -181,8 +173,8 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
         dtype = getattr(torch, dtype_name)
         hf_model, tokenizer = load_hf(config.model, dtype=dtype)
         vocab = hf_model.config.vocab_size
-        prompt_sets = [make_prompts(max(config.batch_sizes), vocab, config.min_prompt_len, config.max_prompt_len,
-                                    config.seed)[:b] for b in config.batch_sizes]
+        prompt_sets = [random_token_prompts(b, vocab, (config.min_prompt_len, config.max_prompt_len), config.seed)
+                       for b in config.batch_sizes]  # batch size B gets the first B prompts
 
         def record(system, prompts, outputs, seconds):
             m = Measurement(system, len(prompts), dtype_name, _count(outputs, config.max_tokens, system), seconds,

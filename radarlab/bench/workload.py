@@ -98,3 +98,18 @@ def length_summary(values: list[int]) -> dict:
         "p99": round(float(np.percentile(arr, 99)), 2),
         "max": int(arr.max()),
     }
+
+
+def random_token_prompts(num_prompts: int, vocab_size: int, len_range: tuple[int, int] = (16, 128),
+                         seed: int = 0) -> list[list[int]]:
+    """Prompts of random token ids, lengths uniform in len_range (inclusive), seeded. Random ids
+    make every prompt distinct (no prefix-cache hits) and every system do the same work. The first
+    k prompts of a call do not depend on num_prompts, so a smaller batch is a prefix of a larger one."""
+    _check_int("num_prompts", num_prompts, 1)
+    _check_int("vocab_size", vocab_size, 1)
+    lo, hi = len_range
+    if isinstance(lo, bool) or isinstance(hi, bool) or not (isinstance(lo, int) and isinstance(hi, int)) \
+            or not 1 <= lo <= hi:
+        raise ValueError(f"len_range must be ints with 1 <= lo <= hi, got {len_range!r}")
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(num_prompts)]
