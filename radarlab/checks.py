@@ -513,3 +513,140 @@ def check_online_softmax_update(online_softmax_update) -> bool:
             return verdict(name, f"for {description} acc / l is {out.flatten()[:4].tolist()}, but full softmax "
                                  f"attention gives {attention.flatten()[:4].tolist()}{hint}")
     return verdict(name, None)
+
+
+# --- notebook 05: continuous batching ----------------------------------------------------------------
+
+def _schedule_token_budget_reference(running, waiting, budget, max_num_seqs):
+    """vLLM v1's rule without blocks: running requests first, in order (a decode takes 1 token, a
+    prefill a chunk of what is left), then the queue in FCFS order while budget and seats remain."""
+    running_tokens = []
+    for remaining in running:
+        n = min(remaining if remaining > 0 else 1, budget)
+        running_tokens.append(n)
+        budget -= n
+    waiting_tokens, seats = [], max_num_seqs - len(running)
+    for prompt_len in waiting:
+        n = min(prompt_len, budget) if budget > 0 and seats > 0 else 0
+        if n:
+            seats -= 1
+            budget -= n
+        waiting_tokens.append(n)
+    return running_tokens, waiting_tokens
+
+
+def check_schedule_token_budget(schedule_token_budget) -> bool:
+    """Check a learner's schedule_token_budget(running, waiting, budget, max_num_seqs) -> (running_tokens,
+    waiting_tokens). running: prompt tokens each running request still has to prefill (0 = decoding);
+    waiting: prompt lengths of the queue, head first. Each case names the rule it tests."""
+    import random
+
+    name = "schedule_token_budget"
+    rng = random.Random(5)
+    big_running = [0] * 5 + [70]
+    big_waiting = [rng.randint(1, 40) for _ in range(6)]
+    cases = [  # (description, running, waiting, budget, max_num_seqs, the rule it tests)
+        ("running=[0, 0, 0] (three decodes), waiting=[5], budget=16, max_num_seqs=8", [0, 0, 0], [5], 16, 8,
+         "each decode takes 1 token; the 5-token prompt fits in what is left"),
+        ("running=[0, 0, 50] (two decodes, then a prompt with 50 tokens left), waiting=[], budget=16, max_num_seqs=8",
+         [0, 0, 50], [], 16, 8, "a running prefill takes a chunk of what is left of the budget: 16 - 2 = 14"),
+        ("running=[0, 0], waiting=[40, 3], budget=16, max_num_seqs=8", [0, 0], [40, 3], 16, 8,
+         "the head of the queue is admitted with a chunk of the 14 tokens left (chunked prefill); the 3-token "
+         "prompt behind it then finds no budget: nobody overtakes the head"),
+        ("running=[0, 0, 0], waiting=[2, 2, 2], budget=100, max_num_seqs=4", [0, 0, 0], [2, 2, 2], 100, 4,
+         "max_num_seqs counts the running requests too: 3 run, so one seat is left"),
+        ("running=[], waiting=[10, 20, 5], budget=32, max_num_seqs=2", [], [10, 20, 5], 32, 2,
+         "two seats: the third request waits although 2 tokens of budget are left"),
+        ("running=[0, 30], waiting=[4], budget=16, max_num_seqs=8", [0, 30], [4], 16, 8,
+         "running requests are served first, in order; the prefill uses up the budget and the queue gets nothing"),
+        ("running=[], waiting=[], budget=8, max_num_seqs=4 (an idle engine)", [], [], 8, 4,
+         "nothing to schedule: two empty lists"),
+        (f"running={big_running}, waiting={big_waiting}, budget=64, max_num_seqs=10", big_running, big_waiting, 64,
+         10, "the same rules on a larger step"),
+    ]
+    for description, running, waiting, budget, seats, rule in cases:
+        want = _schedule_token_budget_reference(running, waiting, budget, seats)
+        got, problem = call_learner(lambda: schedule_token_budget(list(running), list(waiting), budget, seats),
+                                    description)
+        if problem:
+            return verdict(name, problem)
+        try:
+            got_lists = ([int(n) for n in got[0]], [int(n) for n in got[1]])
+            if len(got) != 2:
+                raise ValueError
+        except (TypeError, ValueError, IndexError, KeyError):
+            return verdict(name, f"for {description} it returned {got!r}; expected two lists of ints "
+                                 f"(running_tokens, waiting_tokens), here {want}")
+        if got_lists != want:
+            if sum(got_lists[0]) < sum(want[0]) and sum(got_lists[1]) > sum(want[1]):
+                rule = "running requests are served first, then the queue gets what is left"
+            return verdict(name, f"for {description} it returned {got_lists}, expected {want} ({rule})")
+    return verdict(name, None)
+
+
+def check_latency_metrics(latency_metrics) -> bool:
+    """Check a learner's latency_metrics(arrival, token_times) -> [(ttft, mean_itl), ...] against
+    radarlab.engine.timeline.latency_metrics: TTFT from each request's own arrival, the mean gap
+    between its tokens, and None as the ITL of a one-token output."""
+    import math
+    import random
+
+    from radarlab.engine.timeline import latency_metrics as reference
+
+    name = "latency_metrics"
+    rng = random.Random(3)
+    arrivals = sorted(round(rng.uniform(0, 5), 3) for _ in range(5))
+    times = []
+    for a, n in zip(arrivals, [1, 4, 2, 7, 3]):
+        t, ts = a + rng.uniform(0.1, 2), []
+        for _ in range(n):
+            ts.append(round(t, 3))
+            t += rng.uniform(0.02, 0.3)
+        times.append(ts)
+    cases = [  # (description, arrival, token_times)
+        ("arrival=[0.0], token_times=[[0.5, 0.7, 0.9]]", [0.0], [[0.5, 0.7, 0.9]]),
+        ("arrival=[0.0, 1.0], token_times=[[0.3, 0.4], [1.6, 1.7, 2.0]]", [0.0, 1.0], [[0.3, 0.4], [1.6, 1.7, 2.0]]),
+        ("uneven gaps: arrival=[0.0], token_times=[[1.0, 1.1, 1.2, 2.0]]", [0.0], [[1.0, 1.1, 1.2, 2.0]]),
+        ("a one-token output: arrival=[0.0, 0.0], token_times=[[0.4], [0.2, 0.5]]", [0.0, 0.0], [[0.4], [0.2, 0.5]]),
+        (f"five requests, arrival={arrivals}, token_times={times}", arrivals, times),
+    ]
+
+    def close(a, b):
+        return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)
+
+    for description, arrival, token_times in cases:
+        want = reference(arrival, token_times)
+        got, problem = call_learner(lambda: latency_metrics(list(arrival), [list(t) for t in token_times]),
+                                    description)
+        if problem:
+            return verdict(name, problem)
+        try:
+            pairs = [(float(ttft), None if itl is None else float(itl)) for ttft, itl in got]
+        except (TypeError, ValueError):
+            return verdict(name, f"for {description} it returned {got!r}; expected a list of (ttft, mean_itl) "
+                                 f"pairs, one per request")
+        if len(pairs) != len(want):
+            return verdict(name, f"for {description} it returned {len(pairs)} pairs for {len(want)} requests")
+        for i, ((ttft, itl), (w_ttft, w_itl), t0, ts) in enumerate(zip(pairs, want, arrival, token_times)):
+            if not close(ttft, w_ttft):
+                hint = (" (TTFT counts from the request's own arrival, not from time 0)"
+                        if close(ttft, ts[0]) else " (TTFT = the first token's time - arrival)")
+                return verdict(name, f"for {description}, request {i}'s TTFT was {ttft:.6g}, "
+                                     f"expected {w_ttft:.6g}{hint}")
+            if w_itl is None:
+                if itl is not None:
+                    return verdict(name, f"for {description}, request {i} has one token and its ITL was {itl:.6g}; "
+                                         f"expected None (there is no gap between tokens, and a 0 would pull "
+                                         f"the average ITL down)")
+                continue
+            if itl is None or not close(itl, w_itl):
+                if itl is not None and close(itl, (ts[-1] - t0) / len(ts)):
+                    hint = " (the wait for the first token is TTFT, not a gap between tokens)"
+                elif itl is not None and close(itl, (ts[-1] - ts[0]) / len(ts)):
+                    hint = f" ({len(ts)} tokens have {len(ts) - 1} gaps between them)"
+                else:
+                    hint = " (the mean of the gaps between consecutive tokens)"
+                got_itl = "None" if itl is None else f"{itl:.6g}"
+                return verdict(name, f"for {description}, request {i}'s mean ITL was {got_itl}, "
+                                     f"expected {w_itl:.6g}{hint}")
+    return verdict(name, None)

@@ -35,6 +35,16 @@ def model(hf_model):
     return Llama.from_hf(hf_model)
 
 
+@pytest.fixture(scope="session")
+def tiny():
+    """A 2-layer random-weight Llama with a 128-token vocabulary: fast, and its logits are far from
+    ties, so greedy outputs are exact across batchings."""
+    from radarlab.models.llama import Llama, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    torch.manual_seed(0)
+    return Llama(cfg).eval()
 
 
 @pytest.fixture(scope="session")

@@ -5,22 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from radarlab.engine import Engine, RequestStatus, SamplingParams
 from radarlab.models.generate import greedy_generate
-from radarlab.models.llama import Llama, LlamaConfig
 
-VOCAB = 128
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    """A 2-layer random-weight Llama: fast, and its logits are far from ties, so greedy is exact."""
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
-    torch.manual_seed(0)
-    return Llama(cfg).eval()
+VOCAB = 128  # the vocabulary of conftest's tiny model
 
 
 def random_prompts(n, lo=1, hi=40, seed=0, shared_prefix=0):

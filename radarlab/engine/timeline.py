@@ -8,7 +8,9 @@ utilisation, peak concurrency, the tokens generated, and when each came out (for
 inter-token latency).
 
 A scheduled request's work is one of
-- "prefill": a chunk of its prompt (the whole prompt, or a piece of it under chunked prefill);
+- "prefill": a chunk of its prompt (the whole prompt, or a piece of it under chunked prefill). A
+  sample forked from a parent (n > 1) shares the parent's prefill: it is recorded as a prefill of
+  0 tokens in the step that forked it, with its first token;
 - "recompute": a chunk of prompt + outputs again, after a preemption freed its blocks;
 - "decode": the one newest output token.
 """
@@ -81,6 +83,10 @@ def record_step(engine, step: int) -> tuple[list, StepRecord]:
     scheduled = tuple(
         ScheduledWork(r.request_id, _kind(r, done, n), done, n, sampled.get(r.request_id))
         for r, done, n in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens))
+    ran = {w.request_id for w in scheduled}
+    scheduled += tuple(  # parallel sampling (n > 1): samples forked from a parent whose prompt just finished
+        ScheduledWork(o.request_id, PREFILL, 0, 0, o.new_token_ids[-1]) for o in outputs
+        if o.new_token_ids and o.request_id not in ran)
     ran = {w.request_id for w in scheduled}
     waiting = tuple(rid for rid in engine.scheduler.requests if rid not in ran)  # unfinished, no tokens
     running = {r.request_id for r in engine.scheduler.running} | (ran & set(finished))

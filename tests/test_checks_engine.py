@@ -1,0 +1,189 @@
+"""The checkers of notebook 05: the reference solutions pass, typical mistakes fail with a plain
+counterexample, and the exercise's token-budget rule is the one radarlab's Scheduler follows."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from radarlab.checks import _schedule_token_budget_reference, check_latency_metrics, check_schedule_token_budget
+from radarlab.engine import Request, SamplingParams, Scheduler
+from radarlab.kvcache.block_table import BlockSpaceManager
+
+
+# --- schedule_token_budget -------------------------------------------------------------------------
+
+# The learner's solution in the notebook is checked by nbval; here the checker's own reference.
+schedule_token_budget = _schedule_token_budget_reference
+
+
+def _stub(running, waiting, budget, max_num_seqs):
+    raise NotImplementedError()
+
+
+def _decode_takes_nothing(running, waiting, budget, max_num_seqs):
+    r, w = schedule_token_budget([max(x, 0) for x in running], waiting, budget, max_num_seqs)
+    return [0 if x == 0 else n for x, n in zip(running, r)], w
+
+
+def _waiting_first(running, waiting, budget, max_num_seqs):
+    w, r = schedule_token_budget([], waiting, budget, max_num_seqs - len(running))
+    left = budget - sum(r)
+    return schedule_token_budget(running, [], left, max_num_seqs)[0], r
+
+
+def _admit_whole_prompts(may_overtake):
+    """Wrong: waiting prompts are admitted only whole (no chunk), and, if may_overtake, a prompt
+    that does not fit lets the ones behind it in."""
+    def schedule(running, waiting, budget, max_num_seqs):
+        r, _ = schedule_token_budget(running, [], budget, max_num_seqs)
+        budget -= sum(r)
+        seats, w = max_num_seqs - len(running), []
+        for p in waiting:
+            if p <= budget and seats > 0 and (may_overtake or not w or w[-1] > 0):
+                w.append(p)
+                budget -= p
+                seats -= 1
+            else:
+                w.append(0)
+        return r, w
+    return schedule
+
+
+_whole_prompts_only = _admit_whole_prompts(may_overtake=False)
+_overtakes = _admit_whole_prompts(may_overtake=True)
+
+
+def _seats_ignore_running(running, waiting, budget, max_num_seqs):
+    return schedule_token_budget(running, waiting, budget, max_num_seqs + len(running))
+
+
+def _one_list(running, waiting, budget, max_num_seqs):
+    r, w = schedule_token_budget(running, waiting, budget, max_num_seqs)
+    return r + w
+
+
+def test_schedule_token_budget_solution_passes(capsys):
+    assert check_schedule_token_budget(schedule_token_budget) is True
+    assert capsys.readouterr().out == "PASS schedule_token_budget\n"
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_stub, "not written yet"),
+    (_decode_takes_nothing, "it returned ([0, 0, 0], [5]), expected ([1, 1, 1], [5]) (each decode takes 1 token"),
+    (_waiting_first, "it returned ([0, 0], [16, 0]), expected ([1, 1], [14, 0]) (running requests are served first"),
+    (_whole_prompts_only, "it returned ([1, 1], [0, 0]), expected ([1, 1], [14, 0]) (the head of the queue is "
+                          "admitted with a chunk"),
+    (_overtakes, "it returned ([1, 1], [0, 3]), expected ([1, 1], [14, 0])"),
+    (_seats_ignore_running, "expected ([1, 1, 1], [2, 0, 0]) (max_num_seqs counts the running requests too"),
+    (_one_list, "expected two lists of ints"),
+])
+def test_schedule_token_budget_mistakes_fail(capsys, fn, message):
+    assert check_schedule_token_budget(fn) is False
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL schedule_token_budget: ") and out.count("\n") == 1
+    assert message in out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_reference_rule_is_the_schedulers_rule(seed):
+    """Drive radarlab's Scheduler (a roomy pool, no prefix caching, no model: outputs are made up) and
+    check that every step hands out exactly the tokens the exercise's rule gives for the state before
+    the step."""
+    rng = random.Random(seed)
+    budget, seats = rng.choice([(8, 4), (16, 3), (24, 6), (64, 8)])
+    manager = BlockSpaceManager(num_blocks=4096, block_size=4, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=seats, max_num_batched_tokens=budget, max_model_len=4096)
+    pending = [[rng.randrange(100) for _ in range(rng.randint(1, 50))] for _ in range(12)]
+    max_tokens = {i: rng.randint(1, 6) for i in range(len(pending))}
+    steps = 0
+    while pending or scheduler.has_unfinished_requests():
+        for _ in range(rng.randint(0, 2)):  # new arrivals between steps
+            if pending:
+                i = len(max_tokens) - len(pending)
+                scheduler.add_request(Request(i, pending.pop(0), SamplingParams(max_tokens=max_tokens[i])))
+        if not scheduler.has_unfinished_requests():
+            continue
+        running = [manager.num_tokens(r.request_id) - r.num_computed_tokens for r in scheduler.running]
+        waiting = [len(r.prompt_token_ids) for r in scheduler.waiting]
+        want_running, want_waiting = _schedule_token_budget_reference(running, waiting, budget, seats)
+        before_running = [r.request_id for r in scheduler.running]
+        before_waiting = [r.request_id for r in scheduler.waiting]
+        out = scheduler.schedule()
+        got = dict(zip([r.request_id for r in out.requests], out.num_scheduled_tokens))
+        assert [got.get(i, 0) for i in before_running] == want_running
+        assert [got.get(i, 0) for i in before_waiting] == want_waiting
+        scheduler.update(out)
+        for request in out.requests:  # what the engine does after the forward pass
+            if request.num_computed_tokens == manager.num_tokens(request.request_id):
+                request.output_token_ids.append(rng.randrange(100))
+                if len(request.output_token_ids) >= request.params.max_tokens:
+                    scheduler.finish(request, request.status.FINISHED_LENGTH)
+        steps += 1
+    assert steps > 10 and manager.num_free_blocks == 4096
+
+
+# --- latency_metrics -------------------------------------------------------------------------------
+
+def latency_metrics(arrival, token_times):
+    return [(t[0] - a, (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None) for a, t in zip(arrival, token_times)]
+
+
+def _latency_stub(arrival, token_times):
+    raise NotImplementedError()
+
+
+def _none_everywhere(arrival, token_times):
+    return [(t[0] - a, None) for a, t in zip(arrival, token_times)]
+
+
+def _ttft_from_zero(arrival, token_times):
+    return [(t[0], itl) for t, (_, itl) in zip(token_times, latency_metrics(arrival, token_times))]
+
+
+def _itl_includes_ttft(arrival, token_times):
+    return [(ttft, (t[-1] - a) / len(t) if len(t) > 1 else None)
+            for a, t, (ttft, _) in zip(arrival, token_times, latency_metrics(arrival, token_times))]
+
+
+def _itl_over_n(arrival, token_times):
+    return [(ttft, (t[-1] - t[0]) / len(t) if len(t) > 1 else None)
+            for t, (ttft, _) in zip(token_times, latency_metrics(arrival, token_times))]
+
+
+def _one_token_zero(arrival, token_times):
+    return [(ttft, 0.0 if itl is None else itl) for ttft, itl in latency_metrics(arrival, token_times)]
+
+
+def _one_token_crashes(arrival, token_times):
+    return [(t[0] - a, (t[-1] - t[0]) / (len(t) - 1)) for a, t in zip(arrival, token_times)]
+
+
+def _median_gap(arrival, token_times):
+    out = []
+    for a, t in zip(arrival, token_times):
+        gaps = sorted(y - x for x, y in zip(t, t[1:]))
+        out.append((t[0] - a, gaps[len(gaps) // 2] if gaps else None))
+    return out
+
+
+def test_latency_metrics_solution_passes(capsys):
+    assert check_latency_metrics(latency_metrics) is True
+    assert capsys.readouterr().out == "PASS latency_metrics\n"
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_latency_stub, "not written yet"),
+    (_ttft_from_zero, "request 1's TTFT was 1.6, expected 0.6"),
+    (_itl_includes_ttft, "(the wait for the first token is TTFT, not a gap between tokens)"),
+    (_itl_over_n, "(3 tokens have 2 gaps between them)"),
+    (_one_token_zero, "request 0 has one token and its ITL was 0; expected None"),
+    (_one_token_crashes, "it raised ZeroDivisionError"),
+    (_median_gap, "request 1's mean ITL was 0.3, expected 0.2 (the mean of the gaps between consecutive tokens)"),
+    (_none_everywhere, "request 0's mean ITL was None, expected 0.2"),
+])
+def test_latency_metrics_mistakes_fail(capsys, fn, message):
+    assert check_latency_metrics(fn) is False
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL latency_metrics: ") and out.count("\n") == 1
+    assert message in out
