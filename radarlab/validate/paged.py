@@ -347,7 +347,8 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
          prefix_new_tokens: int = 16, k: int = 5, block_size: int = ENGINE_BLOCK_SIZE,
          timeout: float = DEFAULT_TIMEOUT) -> list[Row]:
     """Validation rows for the paged cache against vLLM (one worker process for all of them)."""
-    from radarlab.models.paged_runner import paged_greedy_generate
+    from radarlab.engine import Engine, SamplingParams
+    from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate
 
     cases = attention_cases()
     session = run_paged_session(prompts, prefix_batches, cases, max_new_tokens, prefix_new_tokens, k, block_size,
@@ -356,15 +357,24 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
     out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), ref)
 
     theirs = session.generate["outputs"]
-    ours = paged_greedy_generate(model, prompts, max_new_tokens, block_size=block_size)
-    results, dlp = compare_greedy_outputs(model, prompts, ours, theirs[:session.num_prompts], k)
-    matched = sorted(r.matched for r in results)
-    out.append(Row(f"paged greedy fp32, block {block_size}, {len(prompts)} prompts x {max_new_tokens}",
-                   f"{ref} block_size={block_size}",
+
+    def greedy_row(name: str, ours: list[list[int]]) -> Row:
+        results, dlp = compare_greedy_outputs(model, prompts, ours, theirs[:session.num_prompts], k)
+        matched = sorted(r.matched for r in results)
+        return Row(f"{name}, {len(prompts)} prompts x {max_new_tokens}", f"{ref} block_size={block_size}",
                    f"{sum(r.identical for r in results)}/{len(prompts)} identical, matched {matched[0]}-{matched[-1]}, "
                    f"max |dlogprob| {dlp:.1e}",
                    f"vLLM rule (top-{k}); |dlogprob| < {LOGPROB_TOL:g}",
-                   all(r.passed for r in results) and dlp < LOGPROB_TOL))
+                   all(r.passed for r in results) and dlp < LOGPROB_TOL)
+
+    out.append(greedy_row(f"paged greedy fp32, block {block_size}",
+                          paged_greedy_generate(model, prompts, max_new_tokens, block_size=block_size)))
+    # The same prompts through the engine: 3 seats and a 64-token budget, so requests queue, prompts
+    # are prefilled in chunks beside other requests' decodes, and seats are handed over mid-run.
+    engine = Engine(model, blocks_needed(prompts, max_new_tokens, block_size), block_size, max_num_seqs=3,
+                    max_num_batched_tokens=64)
+    served = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens))
+    out.append(greedy_row("engine greedy fp32, 3 seats, 64-token budget", [o.output_token_ids for o in served]))
 
     run = our_prefix_run(model, prefix_batches, prefix_new_tokens, block_size)
     v_queries, v_hits = vllm_prefix_counts(session.generate, slice(1, None))
