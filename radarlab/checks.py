@@ -370,7 +370,7 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
     Every other slot must keep what it held, so the pools start filled with a marker value."""
     import torch
 
-    from radarlab.kvcache.paged import reshape_and_cache as reference
+    from radarlab.kvcache.paged_cache import reshape_and_cache as reference
 
     name = "reshape_and_cache"
     gen = torch.Generator().manual_seed(4)

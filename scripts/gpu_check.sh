@@ -37,7 +37,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from radarlab.attention.paged import paged_decode_torch
+from radarlab.attention.torch_paged import paged_decode_torch
 from radarlab.attention.triton_paged import triton_paged_decode
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # the course model (SmolLM2-135M)

@@ -15,7 +15,8 @@ from radarlab.attention.bench import (
     DecodeBandwidth, decode_bytes, decode_flops, measure_decode_bandwidth, peak_bandwidth_gbps,
     random_paged_batch, time_ms,
 )
-from radarlab.attention.paged import cdiv, paged_attention_torch
+from radarlab.util import cdiv
+from radarlab.attention.torch_paged import paged_attention_torch
 
 
 def test_decode_bytes_by_hand():

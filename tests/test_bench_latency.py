@@ -255,7 +255,7 @@ def test_plot_latency_sweep_draws_three_panels():
     import matplotlib
 
     matplotlib.use("Agg")
-    from radarlab.viz.latency import plot_latency_sweep
+    from radarlab.viz.latency_plot import plot_latency_sweep
 
     row = lambda rate, c: {"rate": rate, "ttft_s": {"p50": 1.0 * rate, "p99": 2.0 * rate},
                            "itl_s": {"p50": 0.1, "p99": None}, "concurrency": {"mean": c},

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
-from radarlab.bench.memory import (
+from radarlab.bench.reservation import (
     ContiguousReservations, MemoryBenchConfig, PagedReservations, report, run, simulate,
 )
 from radarlab.bench.workload import Request, WorkloadSpec, lognormal_lengths, make_workload

@@ -109,7 +109,7 @@ def test_plot_throughput_draws_one_bar_per_system_and_batch():
     import matplotlib
 
     matplotlib.use("Agg")
-    from radarlab.viz.throughput import plot_throughput
+    from radarlab.viz.throughput_plot import plot_throughput
 
     ms = [m("radarlab", 1, 20), m("transformers", 1, 10), m("radarlab", 16, 300), m("transformers", 16, 90),
           m("radarlab", 16, 50, dtype="bfloat16")]

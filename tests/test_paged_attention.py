@@ -13,7 +13,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from radarlab.attention.paged import cdiv, paged_attention_torch, paged_decode_torch
+from radarlab.util import cdiv
+from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.triton_paged import triton_paged_attention, triton_paged_decode, triton_paged_prefill
 from radarlab.device import default_device

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.attention.paged import cdiv
+from radarlab.util import cdiv
 from radarlab.attention.reference import attention_reference
 from radarlab.device import default_device
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.generate import greedy_generate
 
 BACKENDS = ["torch", "triton"]

@@ -11,7 +11,7 @@ import torch
 
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.blocks import NoFreeBlocks
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig
 from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate, paged_metadata, paged_step

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.roofline import LLAMA_70B, TransformerDims, decode_step, intensity_limit, measure_decode, ridge_point
+from radarlab.hardware.roofline import LLAMA_70B, TransformerDims, decode_step, intensity_limit, measure_decode, ridge_point
 
 
 def test_llama_70b_shape_has_70b_parameters():
@@ -73,7 +73,7 @@ def test_measure_decode_stops_at_its_budget():
 
 
 def test_cpu_threads_restores_the_setting():
-    from radarlab.roofline import cpu_threads
+    from radarlab.hardware.roofline import cpu_threads
 
     before = torch.get_num_threads()
     with cpu_threads(1):

@@ -1,4 +1,4 @@
-"""Engine timelines (radarlab.engine.timeline) and their plot (radarlab.viz.timeline), on a tiny model."""
+"""Engine timelines (radarlab.engine.timeline) and their plot (radarlab.viz.timeline_plot), on a tiny model."""
 from __future__ import annotations
 
 import random
@@ -159,7 +159,7 @@ def test_utilisation_bad_input():
 def test_draw_timeline(tiny):
     import matplotlib.pyplot as plt
 
-    from radarlab.viz.timeline import draw_timeline
+    from radarlab.viz.timeline_plot import draw_timeline
 
     ps = prompts(6, 3, 9, seed=3)
     engine, records = run(tiny, ps, [8] * 6, num_blocks=8, max_num_seqs=6, enable_prefix_caching=False)

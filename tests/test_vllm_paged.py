@@ -1,4 +1,4 @@
-"""Our paged KV cache against real vLLM (radarlab.validate.paged).
+"""Our paged KV cache against real vLLM (radarlab.validate.vllm_paged).
 
 One vLLM worker process serves the whole module: the attention-op cases (vLLM's CPU
 cpu_attention_with_kv_cache on the same inputs as ours), then one fp32 engine with block_size=32 and
@@ -11,7 +11,7 @@ import torch
 
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.validate import vllm_worker
-from radarlab.validate.paged import (
+from radarlab.validate.vllm_paged import (
     BACKENDS, ENGINE_BLOCK_SIZE, FP32_TOL, MODES, attention_case, attention_cases, compare_attention,
     compare_greedy_outputs, op_tolerance, our_attention, our_prefix_run, prefix_workload, run_paged_session,
     vllm_prefix_counts,

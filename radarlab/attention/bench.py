@@ -20,7 +20,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from radarlab.attention.paged import cdiv, check_block_size, paged_decode_torch
+from radarlab.attention.torch_paged import paged_decode_torch
+from radarlab.util import cdiv, require_power_of_two
 from radarlab.attention.reference import attention_reference
 
 
@@ -74,7 +75,7 @@ def random_paged_batch(seq_lens: Sequence[int], query_lens: Sequence[int] | None
     for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
         if s < 1 or not 0 <= n <= s:
             raise ValueError(f"sequence {b}: need seq_len >= 1 and 0 <= query_len <= seq_len, got {s} and {n}")
-    check_block_size(block_size)
+    require_power_of_two("block_size", block_size)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
@@ -133,7 +134,7 @@ def decode_bytes(seq_lens: Sequence[int], num_heads: int, num_kv_heads: int, hea
     Anything a kernel moves beyond this (re-reads, the gather's copy) is overhead.
     """
     seq_lens = _check_decode_shape(seq_lens, num_heads, num_kv_heads, head_dim)
-    check_block_size(block_size)
+    require_power_of_two("block_size", block_size)
     kv = 2 * sum(seq_lens) * num_kv_heads * head_dim * bytes_per_value
     q_and_out = 2 * len(seq_lens) * num_heads * head_dim * bytes_per_value
     table = sum(cdiv(s, block_size) for s in seq_lens) * index_bytes

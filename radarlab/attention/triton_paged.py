@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radarlab.attention.paged import check_block_tables, check_pool, check_slot_mapping
+from radarlab.attention.layout import validate_block_tables, validate_pool, validate_slot_mapping
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -69,7 +69,7 @@ def _reshape_and_cache_kernel(
 def triton_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, tokens_per_program: int = 16,
                              check: bool = True) -> None:
     """Write k, v [T, kv_heads, D] into the pools at slot_mapping [T] (-1 = skip), in place."""
-    check_pool(k_cache, v_cache)
+    validate_pool(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k and v must be [num_tokens, {num_kv_heads}, {head_dim}] to match the pool; got "
@@ -77,7 +77,7 @@ def triton_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, tokens_per_pr
     if k_cache.stride() != v_cache.stride():
         raise ValueError("k_cache and v_cache must have the same strides")
     if check:
-        check_slot_mapping(slot_mapping, k.shape[0], num_blocks * block_size)
+        validate_slot_mapping(slot_mapping, k.shape[0], num_blocks * block_size)
     num_tokens = k.shape[0]
     if num_tokens == 0:
         return
@@ -173,7 +173,7 @@ def triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=
                         tile_n: int = 32, check: bool = True) -> torch.Tensor:
     """q [B, H, D], one query per sequence (its newest token, already written to the cache).
     Returns [B, H, D]. seq_lens[b] >= 1 is the context length including that token."""
-    check_pool(k_cache, v_cache)
+    validate_pool(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs, num_heads = _check_query(q, num_kv_heads, head_dim)
     if check:
@@ -288,7 +288,7 @@ def triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_star
     """Packed queries q [T, H, D] (sequence b owns rows query_start_loc[b]:query_start_loc[b+1], the
     last tokens of its seq_lens[b]), causal over the paged cache. Handles prefill, chunked prefill
     and decode rows in one batch. Returns [T, H, D]."""
-    check_pool(k_cache, v_cache)
+    validate_pool(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_tokens, num_heads = _check_query(q, num_kv_heads, head_dim)
     if query_start_loc.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
@@ -296,7 +296,7 @@ def triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_star
                          f"got shape {tuple(query_start_loc.shape)}")
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if check:
-        check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+        validate_block_tables(block_tables, seq_lens, num_blocks, block_size)
         if int(query_start_loc[-1]) != num_tokens:
             raise ValueError(f"query_start_loc ends at {int(query_start_loc[-1])} but q has {num_tokens} tokens")
         if (query_lens < 0).any() or (query_lens > seq_lens.to(query_lens.device)).any():
@@ -349,6 +349,6 @@ def _check_decode(block_tables, seq_lens, num_seqs, num_blocks, block_size) -> N
     if seq_lens.dim() != 1 or seq_lens.numel() != num_seqs:
         raise ValueError(f"decode takes one query per sequence: q has {num_seqs} rows, seq_lens has "
                          f"shape {tuple(seq_lens.shape)}")
-    check_block_tables(block_tables, seq_lens, num_blocks, block_size)
+    validate_block_tables(block_tables, seq_lens, num_blocks, block_size)
     if num_seqs and int(seq_lens.min()) < 1:
         raise ValueError(f"decode needs seq_lens >= 1 (the query's own token is in the cache), got {seq_lens.tolist()}")

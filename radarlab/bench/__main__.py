@@ -12,14 +12,14 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import latency, memory, throughput
+    from radarlab.bench import latency, reservation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     # Each benchmark module provides add_arguments(parser) and main(args) -> exit code.
     for name, module, help_text in [
-        ("memory", memory, "reserved vs live KV memory: contiguous vs paged cache"),
+        ("memory", reservation, "reserved vs live KV memory: contiguous vs paged cache"),
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
     ]:

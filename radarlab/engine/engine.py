@@ -19,7 +19,7 @@ from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.block_table import BlockSpaceManager, _as_token_ids
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.paged_runner import paged_step
 
 

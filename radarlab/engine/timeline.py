@@ -3,7 +3,7 @@
 `record_step` runs one `Engine.step()` and reads `engine.last_scheduled` (the scheduler's output
 for that step): which requests ran, from which position, with how many tokens, and who was
 preempted. `run_recorded` steps until every request has finished. The rest are pure functions of
-the records: the state of each request at each step (for the plot in radarlab.viz.timeline), slot
+the records: the state of each request at each step (for the plot in radarlab.viz.timeline_plot), slot
 utilisation, peak concurrency, the tokens generated, and when each came out (for TTFT and
 inter-token latency).
 

@@ -2,7 +2,7 @@
 from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager, BlockTable
 from radarlab.kvcache.blocks import BlockAllocator, NoFreeBlocks
 from radarlab.kvcache.contiguous import ContiguousKVCache, KVCacheFull
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 
 __all__ = [
     "AllocStatus",

@@ -26,7 +26,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from radarlab.attention.paged import cdiv
+from radarlab.util import cdiv
 from radarlab.kvcache.blocks import (
     BlockAllocator, BlockHash, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
 )

@@ -1,6 +1,6 @@
 """The block allocator: which physical KV blocks are free, who shares them, and what they hold.
 
-Pure bookkeeping, no tensors. The pool (radarlab.kvcache.paged) owns K/V shaped
+Pure bookkeeping, no tensors. The pool (radarlab.kvcache.paged_cache) owns K/V shaped
 [num_blocks, block_size, num_kv_heads, head_dim] per layer; this module only hands out block ids.
 
 Every block has a reference count: the number of sequences whose block table holds it. Forks and

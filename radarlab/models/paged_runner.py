@@ -1,7 +1,7 @@
 """Run the model on the paged KV cache: one forward step for a set of sequences, and greedy generation.
 
 The block manager (radarlab.kvcache.block_table) decides where every token's K/V lives; the pool
-(radarlab.kvcache.paged) holds it; this module turns the manager's state into one packed forward
+(radarlab.kvcache.paged_cache) holds it; this module turns the manager's state into one packed forward
 pass. It plays the part of vLLM's model runner (vllm/v1/worker/gpu_model_runner.py), which builds
 input ids, positions, slot mapping and block tables from the scheduler's output.
 
@@ -18,9 +18,9 @@ from typing import Hashable, Sequence
 import torch
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.attention.paged import cdiv
+from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.generate import check_prompts
 
 SeqId = Hashable

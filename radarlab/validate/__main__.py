@@ -13,7 +13,7 @@ import time
 import torch
 
 from radarlab.validate.prompts import VALIDATION_PROMPTS
-from radarlab.validate.report import Row, format_table
+from radarlab.validate.table import Row, format_table
 
 
 def collect(skip_vllm: bool) -> list[Row]:
@@ -29,9 +29,9 @@ def collect(skip_vllm: bool) -> list[Row]:
         return rows
     if vllm.vllm_python() is None:
         return rows + [Row("vLLM rows", "vLLM", "not run: no vLLM environment", "run `make vllm`", False)]
-    from radarlab.validate import paged
+    from radarlab.validate import vllm_paged
 
-    return rows + vllm.rows(model, prompts) + paged.rows(model, prompts, paged.prefix_workload(tok))
+    return rows + vllm.rows(model, prompts) + vllm_paged.rows(model, prompts, vllm_paged.prefix_workload(tok))
 
 
 def main(argv: list[str] | None = None) -> int:

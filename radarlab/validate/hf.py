@@ -11,7 +11,7 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.models.generate import greedy_generate
-from radarlab.validate.report import Row
+from radarlab.validate.table import Row
 
 LOGIT_TOL = 1e-4
 

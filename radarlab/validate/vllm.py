@@ -14,7 +14,7 @@ from pathlib import Path
 
 from radarlab.validate import vllm_worker
 from radarlab.validate.compare import compare_greedy, max_logprob_diff, topk_logprobs
-from radarlab.validate.report import Row
+from radarlab.validate.table import Row
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 VENV_DIR = ".venv-vllm"

@@ -29,12 +29,12 @@ from pathlib import Path
 
 import torch
 
-from radarlab.attention.paged import paged_attention_torch
-from radarlab.attention.paged import cdiv
+from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.paged import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.validate.compare import compare_greedy, max_logprob_diff, topk_logprobs
-from radarlab.validate.report import Row
+from radarlab.validate.table import Row
 from radarlab.validate.vllm import DEFAULT_TIMEOUT, LOGPROB_TOL, run_vllm
 
 # vLLM's CPU engine takes block sizes that are multiples of 32 (CPUAttentionBackend); its op also

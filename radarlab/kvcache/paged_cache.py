@@ -21,15 +21,15 @@ from typing import Iterable
 import torch
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.attention.paged import (
-    check_block_size, check_block_tables, check_slot_mapping, paged_attention_torch,
-)
+from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
+from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.util import require_power_of_two
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """The KV write in torch: token t's k[t], v[t] ([kv_heads, D]) go to slot_mapping[t], -1 skipped.
 
     Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks).
-    The caller validates the slots (check_slot_mapping).
+    The caller validates the slots (validate_slot_mapping).
     """
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
@@ -64,7 +64,7 @@ class PagedKVCache:
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        check_block_size(block_size)
+        require_power_of_two("block_size", block_size)
         if backend not in self.BACKENDS:
             raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
@@ -93,7 +93,7 @@ class PagedKVCache:
         """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
         self._check_kv(layer, k, v)
         slot_mapping = slot_mapping.to(self.k.device)
-        check_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
+        validate_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
         self._write(layer, k, v, slot_mapping)
 
     def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -143,8 +143,8 @@ class PagedKVCache:
         starts = meta.query_start_loc.to(device)
         self._check_kv(layer, k, v)
         if self._checked is not meta:  # every layer of a step shares one metadata: check it once
-            check_block_tables(tables, seq_lens, self.num_blocks, self.block_size)  # before anything is written
-            check_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
+            validate_block_tables(tables, seq_lens, self.num_blocks, self.block_size)  # before anything is written
+            validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
             self._checked = meta
         self._write(layer, k, v, meta.slot_mapping.to(device))
         if self.backend == "triton":
