@@ -271,7 +271,7 @@ def check_slot_mapping(slot_mapping) -> bool:
         ("block_table=[2], block_size=4, start=1, n=0 (no new tokens)", [2], 4, 1, 0),
     ]
     for description, table, bs, start, n in cases:
-        want = BlockTable(bs, list(table), [0] * (start + n)).slot_mapping(start, n)
+        want = BlockTable(bs, list(table), num_slots=start + n).slot_mapping(start, n)
         got, problem = call_learner(lambda: slot_mapping(list(table), bs, start, n), description)
         if problem:
             return verdict("slot_mapping", problem)
@@ -518,21 +518,32 @@ def check_online_softmax_update(online_softmax_update) -> bool:
 # --- notebook 05: continuous batching ----------------------------------------------------------------
 
 def _schedule_token_budget_reference(running, waiting, budget, max_num_seqs):
-    """vLLM v1's rule without blocks: running requests first, in order (a decode takes 1 token, a
-    prefill a chunk of what is left), then the queue in FCFS order while budget and seats remain."""
-    running_tokens = []
-    for remaining in running:
-        n = min(remaining if remaining > 0 else 1, budget)
-        running_tokens.append(n)
-        budget -= n
-    waiting_tokens, seats = [], max_num_seqs - len(running)
-    for prompt_len in waiting:
-        n = min(prompt_len, budget) if budget > 0 and seats > 0 else 0
-        if n:
-            seats -= 1
-            budget -= n
-        waiting_tokens.append(n)
-    return running_tokens, waiting_tokens
+    """The answer of radarlab's own Scheduler (vLLM v1's rule) on a pool roomy enough that blocks
+    never bind: running requests with `remaining` prompt tokens still to prefill (0: decoding), then
+    waiting prompts of the given lengths, head first."""
+    from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
+    from radarlab.kvcache.block_table import BlockSpaceManager
+
+    manager = BlockSpaceManager(num_blocks=1024, block_size=16, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+    done_prefill = 8  # tokens each running request has computed already
+    requests = []
+    for i, remaining in enumerate(running):
+        request = Request(("running", i), [1] * (done_prefill + remaining), SamplingParams())
+        request.num_computed_tokens = manager.allocate(request, done_prefill) + done_prefill
+        if remaining == 0:
+            request.append_token_ids([1])  # decoding: its newest token is not computed yet
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+        requests.append(request)
+    for i, prompt_len in enumerate(waiting):
+        request = Request(("waiting", i), [1] * prompt_len, SamplingParams())
+        scheduler.add_request(request)
+        requests.append(request)
+    out = scheduler.schedule()
+    scheduled = dict(zip((r.request_id for r in out.requests), out.num_scheduled_tokens))
+    tokens = [scheduled.get(r.request_id, 0) for r in requests]
+    return tokens[:len(running)], tokens[len(running):]
 
 
 def check_schedule_token_budget(schedule_token_budget) -> bool:

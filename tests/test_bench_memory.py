@@ -10,9 +10,9 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    ContiguousReservations, MemoryBenchConfig, PagedReservations, report, run, simulate,
+    MemoryBenchConfig, contiguous, paged, report, run, simulate,
 )
-from radarlab.bench.workload import Request, WorkloadSpec, lognormal_lengths, make_workload
+from radarlab.bench.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
 SMALL = MemoryBenchConfig(WorkloadSpec(num_requests=64, seed=3, max_model_len=512, prompt_mean=60,
                                        output_mean=90), budget_tokens=4096, block_size=16)
@@ -60,7 +60,7 @@ THREE = [Request(0, 3, 2), Request(1, 5, 3), Request(2, 1, 1)]
 
 
 def test_contiguous_accounting_by_hand():
-    res = simulate(THREE, ContiguousReservations(16, 8))
+    res = simulate(THREE, contiguous(16, 8), max_model_len=8)
     # step 1: A(3) B(5) in two rows; C waits. step 2: A 4, B 6; A finishes. step 3: B 7, C admitted with 1.
     assert res.live == [8, 10, 8]
     assert res.reserved == [16, 16, 16]
@@ -79,8 +79,7 @@ def test_contiguous_accounting_by_hand():
 
 
 def test_paged_accounting_by_hand():
-    cache = PagedReservations(16, 4)
-    res = simulate(THREE, cache)
+    res = simulate(THREE, paged(16, 4), max_model_len=8)
     # step 1: A 3 tokens (1 block), B 5 (2 blocks), C 1 (1 block); C samples its only token and leaves.
     # step 2: A 4 (1 block), B 6 (2 blocks); A leaves. step 3: B 7 (2 blocks).
     assert res.live == [9, 10, 7]
@@ -95,22 +94,33 @@ def test_paged_accounting_by_hand():
     assert s["last_block_slack"] == {"fraction_of_reserved": 10 / 36, "mean_tokens_per_request": 10 / 6}
     assert res.waiting == [0, 0, 0]
     assert s["concurrency"] == {"mean": 2, "max": 3, "mean_while_queued": None}  # never memory-bound
-    assert cache.manager.num_free_blocks == cache.manager.num_blocks  # everything freed at the end
+    assert res.tokens_computed == 3 + 5 + 1 + 1 + 1 + 1 and res.recomputed_tokens == 0
 
 
 def test_paged_preempts_the_newest_request_and_recomputes_it():
     # Two blocks of 2; A and B (prompt 2, output 3) each fill a block at step 1. At step 2 A needs a
     # second block: B is preempted and returns with prompt + 1 generated token = 3 tokens.
     reqs = [Request(0, 2, 3), Request(1, 2, 3)]
-    res = simulate(reqs, PagedReservations(4, 2))
+    res = simulate(reqs, paged(4, 2), max_model_len=8)
     assert res.live == [4, 3, 4, 3, 4]
     assert res.reserved == [4, 4, 4, 4, 4]
     assert res.running == [2, 1, 1, 1, 1]
     assert res.waiting == [0, 1, 1, 0, 0]
-    assert res.preemptions == 1 and res.recomputed_tokens == 3
+    # B computed its prompt (2), was preempted, then recomputed prompt + its first output (3) and decoded 1:
+    # the engine computes 2 tokens twice, and pays for them
+    assert res.preemptions == 1 and res.computed == [4, 1, 1, 3, 1]
+    assert res.tokens_computed == 10 and res.recomputed_tokens == 2
     assert res.summary()["concurrency"]["mean_while_queued"] == 1
-    contiguous = simulate(reqs, ContiguousReservations(4, 4))  # one row: strictly one after the other
-    assert contiguous.live == [2, 3, 4, 2, 3, 4] and contiguous.preemptions == 0
+    assert res.summary()["recompute_share"] == 2 / 10
+    rows = simulate(reqs, contiguous(8, 8), max_model_len=8)  # one row: strictly one after the other
+    assert rows.live == [2, 3, 4, 2, 3, 4] and rows.preemptions == 0 and rows.recomputed_tokens == 0
+
+
+def test_the_token_budget_chunks_prompts_and_is_charged():
+    """A 10-token prompt under a 4-token budget takes three prefill steps (4, 4, 2), as the engine's."""
+    res = simulate([Request(0, 10, 2)], paged(16, 4), max_model_len=16, max_num_batched_tokens=4)
+    assert res.computed == [4, 4, 2, 1] and res.sampled == [0, 0, 1, 1]
+    assert res.live == [4, 8, 10, 11] and res.reserved == [4, 8, 12, 12]  # blocks follow the chunks
 
 
 def test_paged_beats_contiguous_on_the_workload():
@@ -123,9 +133,10 @@ def test_paged_beats_contiguous_on_the_workload():
     assert p["last_block_slack"]["mean_tokens_per_request"] <= SMALL.block_size - 1
     for s in (c, p):  # live + reserved-for-future + never-used is all of the reserved memory
         assert math.isclose(s["utilisation"] + s["waste"]["reserved_for_future"] + s["waste"]["never_used"], 1)
-    total_out = sum(r.output_len for r in make_workload(SMALL.workload))
-    # one token per running request per step: the samples add up to the workload's outputs (+ recomputed)
-    assert sum(results["contiguous"].running) == total_out
+    requests = make_workload(SMALL.workload)
+    for s in (c, p):  # every output token is sampled once, whatever was recomputed
+        assert s["tokens_sampled"] == sum(r.output_len for r in requests)
+        assert s["tokens_computed"] - s["recomputed_tokens"] == sum(r.max_cached_tokens for r in requests)
 
 
 # --- JSON and the command line ---------------------------------------------------------------------
@@ -188,10 +199,14 @@ def test_bad_workload_spec_raises(kwargs):
 
 def test_simulate_rejects_requests_that_cannot_run():
     with pytest.raises(ValueError, match="requests is empty"):
-        simulate([], PagedReservations(16, 4))
+        simulate([], paged(16, 4), max_model_len=32)
     with pytest.raises(ValueError, match="could never run"):
-        simulate([Request(0, 10, 10)], PagedReservations(16, 4))
+        simulate([Request(0, 10, 10)], paged(16, 4), max_model_len=32)
+    with pytest.raises(ValueError, match="more than max_model_len=8"):
+        simulate([Request(0, 5, 5)], paged(16, 4), max_model_len=8)
     with pytest.raises(ValueError, match="output_len"):
-        simulate([Request(0, 3, 0)], ContiguousReservations(16, 8))
+        simulate([Request(0, 3, 0)], contiguous(16, 8), max_model_len=8)
     with pytest.raises(ValueError, match="no row"):
-        ContiguousReservations(7, 8)
+        contiguous(7, 8)
+    with pytest.raises(ValueError, match="max_model_len must be a power of two"):
+        contiguous(64, 24)

@@ -13,8 +13,27 @@ from radarlab.kvcache.block_table import BlockSpaceManager
 
 # --- schedule_token_budget -------------------------------------------------------------------------
 
-# The learner's solution in the notebook is checked by nbval; here the checker's own reference.
-schedule_token_budget = _schedule_token_budget_reference
+def budget_rule(running, waiting, budget, max_num_seqs):
+    """The exercise's rule written out plainly, as the oracle: running requests first, in order (a
+    decode takes 1 token, a prefill a chunk of what is left), then the queue in FCFS order while
+    budget and seats remain."""
+    running_tokens = []
+    for remaining in running:
+        n = min(remaining if remaining > 0 else 1, budget)
+        running_tokens.append(n)
+        budget -= n
+    waiting_tokens, seats = [], max_num_seqs - len(running)
+    for prompt_len in waiting:
+        n = min(prompt_len, budget) if budget > 0 and seats > 0 else 0
+        if n:
+            seats -= 1
+            budget -= n
+        waiting_tokens.append(n)
+    return running_tokens, waiting_tokens
+
+
+# The learner's solution in the notebook is checked by nbval; here the rule above plays it.
+schedule_token_budget = budget_rule
 
 
 def _stub(running, waiting, budget, max_num_seqs):
@@ -85,6 +104,14 @@ def test_schedule_token_budget_mistakes_fail(capsys, fn, message):
     assert message in out
 
 
+@pytest.mark.parametrize("case", [([0, 0, 0], [5], 16, 8), ([0, 0, 50], [], 16, 8), ([0, 0], [40, 3], 16, 8),
+                                  ([0, 0, 0], [2, 2, 2], 100, 4), ([], [10, 20, 5], 32, 2), ([0, 30], [4], 16, 8),
+                                  ([], [], 8, 4), ([0] * 5 + [70], [7, 33, 2, 12, 40, 1], 64, 10)])
+def test_checker_reference_follows_the_rule(case):
+    """The checker's reference (radarlab's Scheduler set up in that state) answers as the rule does."""
+    assert _schedule_token_budget_reference(*case) == budget_rule(*case)
+
+
 @pytest.mark.parametrize("seed", range(6))
 def test_reference_rule_is_the_schedulers_rule(seed):
     """Drive radarlab's Scheduler (a roomy pool, no prefix caching, no model: outputs are made up) and
@@ -104,9 +131,9 @@ def test_reference_rule_is_the_schedulers_rule(seed):
                 scheduler.add_request(Request(i, pending.pop(0), SamplingParams(max_tokens=max_tokens[i])))
         if not scheduler.has_unfinished_requests():
             continue
-        running = [manager.num_tokens(r.request_id) - r.num_computed_tokens for r in scheduler.running]
-        waiting = [len(r.prompt_token_ids) for r in scheduler.waiting]
-        want_running, want_waiting = _schedule_token_budget_reference(running, waiting, budget, seats)
+        running = [0 if r.num_output_tokens else r.num_tokens - r.num_computed_tokens for r in scheduler.running]
+        waiting = [r.num_tokens for r in scheduler.waiting]
+        want_running, want_waiting = budget_rule(running, waiting, budget, seats)
         before_running = [r.request_id for r in scheduler.running]
         before_waiting = [r.request_id for r in scheduler.waiting]
         out = scheduler.schedule()
@@ -115,9 +142,9 @@ def test_reference_rule_is_the_schedulers_rule(seed):
         assert [got.get(i, 0) for i in before_waiting] == want_waiting
         scheduler.update(out)
         for request in out.requests:  # what the engine does after the forward pass
-            if request.num_computed_tokens == manager.num_tokens(request.request_id):
-                request.output_token_ids.append(rng.randrange(100))
-                if len(request.output_token_ids) >= request.params.max_tokens:
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_token_ids([rng.randrange(100)])
+                if request.num_output_tokens >= request.params.max_tokens:
                     scheduler.finish(request, request.status.FINISHED_LENGTH)
         steps += 1
     assert steps > 10 and manager.num_free_blocks == 4096

@@ -12,6 +12,7 @@ import torch
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.blocks import NoFreeBlocks
 from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig
 from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate, paged_metadata, paged_step
@@ -77,77 +78,91 @@ def test_fork_then_copy_on_write_equals_two_separate_runs(tiny):
     """Parallel sampling: one prefill, a fork, two forced first tokens, then greedy continuations."""
     prompt, forced = PROMPTS[0], [3, 17]  # 9 tokens, block size 4: the fork shares a partly filled block
     manager, cache = pool(tiny, 12, 4)
-    manager.allocate("a", prompt)
-    paged_step(tiny, cache, manager, ["a"], [0])
-    manager.fork("a", "b")
-    assert manager.get_block_table("a") == manager.get_block_table("b")
-    copies = manager.append_slots("a", [forced[0]]) + manager.append_slots("b", [forced[1]])
-    assert len(copies) == 1 and copies[0][0] == manager.get_block_table("b")[-1]  # the first writer copies
+    a, b = Sequence("a", prompt), Sequence("b", prompt)
+    manager.allocate(a)
+    paged_step(tiny, cache, manager, [a], [0])
+    manager.fork(a, b)
+    assert manager.get_block_table(a) == manager.get_block_table(b)
+    a.append_token_ids([forced[0]])
+    b.append_token_ids([forced[1]])
+    copies = manager.append_slots(a, 1) + manager.append_slots(b, 1)
+    assert len(copies) == 1 and copies[0][0] == manager.get_block_table(b)[-1]  # the first writer copies
     cache.copy_blocks(copies)
-    got = {"a": [], "b": []}
     for _ in range(NEW):
-        logits = paged_step(tiny, cache, manager, ["a", "b"], [len(prompt) + len(got[s]) for s in "ab"])
-        for s, tok in zip("ab", logits.argmax(-1).tolist()):
-            got[s].append(tok)
-            cache.copy_blocks(manager.append_slots(s, [tok]))
+        logits = paged_step(tiny, cache, manager, [a, b], [s.num_tokens - 1 for s in (a, b)])
+        for s, tok in zip((a, b), logits.argmax(-1).tolist()):
+            s.append_token_ids([tok])
+            cache.copy_blocks(manager.append_slots(s, 1))
     want = greedy_generate(tiny, [prompt + [forced[0]], prompt + [forced[1]]], NEW)
-    assert [got["a"], got["b"]] == want
-    assert manager.get_block_table("a")[:2] == manager.get_block_table("b")[:2]  # the full blocks stay shared
+    assert [list(a.output_token_ids[1:]), list(b.output_token_ids[1:])] == want
+    assert manager.get_block_table(a)[:2] == manager.get_block_table(b)[:2]  # the full blocks stay shared
 
 
 def test_skipping_the_copy_corrupts_the_fork(tiny):
     """The test above can fail: without copy_blocks the private block lacks the prompt's K/V."""
     prompt = PROMPTS[0]
     manager, cache = pool(tiny, 12, 4)
-    manager.allocate("a", prompt)
-    paged_step(tiny, cache, manager, ["a"], [0])
-    manager.fork("a", "b")
-    assert manager.append_slots("b", [3])  # a copy is due, and we skip it
-    logits = paged_step(tiny, cache, manager, ["b"], [len(prompt)])
+    a, b = Sequence("a", prompt), Sequence("b", prompt)
+    manager.allocate(a)
+    paged_step(tiny, cache, manager, [a], [0])
+    manager.fork(a, b)
+    b.append_token_ids([3])
+    assert manager.append_slots(b, 1)  # a copy is due, and we skip it
+    logits = paged_step(tiny, cache, manager, [b], [len(prompt)])
     want = greedy_generate(tiny, [prompt + [3]], 1)[0]
     assert logits.argmax(-1).tolist() != want
 
 
 @pytest.mark.parametrize("chunks", [[13], [9, 4], [1, 11, 1], [4, 4, 4, 1]])
 def test_chunked_prefill_equals_one_prefill(tiny, chunks):
+    """Slots are reserved chunk by chunk, as the scheduler does, and the logits equal one prefill's."""
     ids = torch.randint(0, 61, (13,), generator=torch.Generator().manual_seed(3)).tolist()
     manager, cache = pool(tiny, 8, 4, prefix=False)
-    manager.allocate("s", ids)
+    s = Sequence("s", ids)
     done = 0
     for n in chunks:
-        logits = paged_step(tiny, cache, manager, ["s"], [done], [n])
+        if s in manager:
+            manager.append_slots(s, n)
+        else:
+            manager.allocate(s, n)
+        logits = paged_step(tiny, cache, manager, [s], [done], [n])
         done += n
+        assert len(manager.get_block_table(s)) == -(-done // 4)  # blocks only for the chunks so far
     full = greedy_generate(tiny, [ids], 1)[0]
     assert logits.argmax(-1).tolist() == full
     manager2, cache2 = pool(tiny, 8, 4, prefix=False)
-    manager2.allocate("s", ids)
-    assert (paged_step(tiny, cache2, manager2, ["s"], [0]) - logits).abs().max() < 1e-5
+    s2 = Sequence("s", ids)
+    manager2.allocate(s2)
+    assert (paged_step(tiny, cache2, manager2, [s2], [0]) - logits).abs().max() < 1e-5
 
 
 def test_metadata_fields():
     manager = BlockSpaceManager(8, 4, enable_prefix_caching=False)
-    manager.allocate("a", list(range(6)))
-    manager.allocate("b", [1])
-    meta = paged_metadata(manager, ["a", "b"], [4, 0], [2, 1])
+    a, b = Sequence("a", list(range(6))), Sequence("b", [1])
+    manager.allocate(a)
+    manager.allocate(b)
+    meta = paged_metadata(manager, [a, b], [4, 0], [2, 1])
     assert meta.query_start_loc.tolist() == [0, 2, 3] and meta.seq_lens.tolist() == [6, 1]
     assert meta.slot_mapping.tolist() == [4, 5, 8]  # a: block 1 offsets 0, 1; b: block 2 offset 0
     assert meta.block_tables.tolist() == [[0, 1], [2, -1]]
     assert meta.positions.tolist() == [4, 5, 0]
+    assert meta.checked_for is None  # not yet validated against any pool
 
 
 def test_bad_input(tiny):
     manager, cache = pool(tiny, 8, 4)
-    manager.allocate("a", [1, 2, 3])
+    a = Sequence("a", [1, 2, 3])
+    manager.allocate(a)
     with pytest.raises(ValueError, match="differ in length"):
-        paged_metadata(manager, ["a"], [0, 0], [3])
+        paged_metadata(manager, [a], [0, 0], [3])
     with pytest.raises(ValueError, match="only 3 have slots"):
-        paged_metadata(manager, ["a"], [1], [3])
+        paged_metadata(manager, [a], [1], [3])
     with pytest.raises(ValueError, match="num_scheduled_tokens must be >= 1"):
-        paged_metadata(manager, ["a"], [3], [0])
-    with pytest.raises(ValueError, match="seq_ids is empty"):
+        paged_metadata(manager, [a], [3], [0])
+    with pytest.raises(ValueError, match="seqs is empty"):
         paged_metadata(manager, [], [], [])
     with pytest.raises(KeyError, match="'nope'"):
-        paged_metadata(manager, ["nope"], [0], [1])
+        paged_metadata(manager, [Sequence("nope", [1])], [0], [1])
     with pytest.raises(ValueError, match="both manager and cache"):
         paged_greedy_generate(tiny, [[1]], 1, manager=manager)
     with pytest.raises(ValueError, match="different pools"):

@@ -24,8 +24,8 @@ def run_step(sched, token=1):
     out = sched.schedule()
     sched.update(out)
     for r in out.requests:
-        if r.num_computed_tokens == sched.manager.num_tokens(r.request_id):
-            r.output_token_ids.append(token)
+        if r.num_computed_tokens == r.num_tokens:
+            r.append_token_ids([token])
     return out
 
 
@@ -133,27 +133,55 @@ def sched_error(out, rid):
     return next(r.error for r in out.errored if r.request_id == rid)
 
 
-def test_prefix_hits_on_blocks_of_a_chunked_prefill_in_flight_are_detected():
-    """A full block is registered in the prefix cache when allocated, before its K/V is computed;
-    the scheduler must not let a new request hit it until the prefill has written it."""
+def test_a_chunked_prefill_holds_blocks_only_for_the_chunks_done():
+    """vLLM v1's allocate_slots: blocks for the tokens scheduled this step, not the whole prompt."""
     manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched.add_request(req("a", 20))
-    run_step(sched)  # 8 of 20 computed: blocks 0, 1 hold K/V, blocks 2, 3 are registered but empty
-    a_blocks = manager.get_block_table("a")
-    pending = set(a_blocks[8 // 4:])
-    assert sched._hits_pending(list(range(20)), pending)  # would hit blocks 2, 3
-    assert not sched._hits_pending(list(range(9)), pending)  # hits blocks 0, 1 only
-    while sched.requests["a"].num_computed_tokens < 20:
+    for step in range(1, 4):
         run_step(sched)
+        computed = sched.requests["a"].num_computed_tokens
+        assert computed == min(8 * step, 20)
+        assert len(manager.get_block_table("a")) == -(-computed // 4)  # never a block ahead
+        assert manager.num_slots("a") == computed
+
+
+def test_admission_needs_room_for_the_whole_prompt():
+    """scheduler_reserve_full_isl: a long prompt is not admitted for its first chunk alone."""
+    manager, sched = make(num_blocks=6, block_size=4, max_num_batched_tokens=4)
+    sched.add_request(req("a", 8))
+    run_step(sched)  # one chunk of 4: a holds 1 block of the 2 it will need
+    run_step(sched)
+    assert manager.num_free_blocks == 4
+    sched.add_request(req("b", 20, start=50))  # needs 5 blocks; 4 are free, though its first chunk needs 1
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == ["a"] and [r.request_id for r in sched.waiting] == ["b"]
+
+
+def test_a_prefix_hit_mid_prefill_finds_only_computed_blocks():
+    """Blocks are registered in the prefix cache only when the chunk that fills them is scheduled,
+    so a request arriving while another prefills the same prefix hits exactly the blocks with K/V."""
+    manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sched.add_request(req("a", 20))
+    run_step(sched)  # 8 of 20 computed: blocks 0, 1 hold K/V and are cached; nothing else is
+    assert manager.allocator.num_cached_blocks == 2
     sched.add_request(req("b", 20))
-    out = run_step(sched)  # now b hits a's four computed full blocks and computes only the last
-    assert out.requests[-1].request_id == "b" and out.num_computed_tokens[-1] == 16
+    out = run_step(sched)  # a's next chunk of 8 uses the whole budget: b waits
+    assert [r.request_id for r in out.requests] == ["a"]
+    a_computed = sched.requests["a"].num_computed_tokens
+    out = run_step(sched)
+    while "b" not in [r.request_id for r in out.requests]:
+        a_computed = sched.requests["a"].num_computed_tokens
+        out = run_step(sched)
+    # b is admitted beside a's last chunk, and hits a's four full blocks: all computed before this step
+    assert a_computed >= 16 and out.num_computed_tokens[-1] == 16
 
 
 def test_abort_mid_prefill_uncaches_blocks_that_were_never_computed():
     manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched.add_request(req("a", 20))
-    run_step(sched)  # 8 computed: blocks 0, 1 hold K/V; blocks 2, 3 are registered but empty
+    run_step(sched)  # 8 computed: blocks 0, 1 hold K/V and are cached
+    out = sched.schedule()  # the next chunk is reserved (block 2 registered) but never computed
+    assert manager.allocator.num_cached_blocks == 4
     sched.abort("a")
     assert manager.num_free_blocks == 32 and "a" not in manager
     assert manager.allocator.num_cached_blocks == 2  # only the computed ones stay findable

@@ -8,7 +8,7 @@ from matplotlib.figure import Figure
 
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.viz.pool import (
-    DEFAULT_POOL_SCRIPT, PoolOp, apply_op, draw_pool, pool_snapshot, run_pool_script, sequence_colors,
+    DEFAULT_POOL_SCRIPT, PoolOp, PoolState, apply_op, draw_pool, pool_snapshot, run_pool_script, sequence_colors,
 )
 from radarlab.viz.widgets import block_pool_stepper
 
@@ -77,19 +77,19 @@ def test_custom_script_and_pool():
 
 
 def test_snapshot_is_plain_data():
-    m = BlockSpaceManager(6, 4)
-    m.allocate("p", [1, 2, 3, 4, 5])
-    m.fork("p", "q")
-    snap = pool_snapshot(m)
-    m.free("p")
+    state = PoolState(BlockSpaceManager(6, 4))
+    apply_op(state, PoolOp("allocate", "p", [1, 2, 3, 4, 5]))
+    apply_op(state, PoolOp("fork", "p", "q"))
+    snap = pool_snapshot(state)
+    apply_op(state, PoolOp("free", "p"))
     assert snap.tables == {"p": [0, 1], "q": [0, 1]}  # unchanged by later manager calls
     assert snap.blocks[0].holders == ("p", "q") and snap.blocks[1].tokens == (5,)
     assert snap.free_block_ids == [2, 3, 4, 5] and snap.evictable == []
 
 
 def test_draw_pool_labels_every_block_and_table_entry():
-    m, result = run_pool_script(DEFAULT_POOL_SCRIPT, 10, 4, steps=6)
-    snap = pool_snapshot(m, result.copies)
+    state, result = run_pool_script(DEFAULT_POOL_SCRIPT, 10, 4, steps=6)
+    snap = pool_snapshot(state, result.copies)
     fig = Figure()
     ax = fig.subplots()
     draw_pool(snap, ax, sequence_colors("ABCDE"))
@@ -103,4 +103,4 @@ def test_draw_pool_labels_every_block_and_table_entry():
 
 def test_bad_op_raises():
     with pytest.raises(ValueError, match="op must be one of"):
-        apply_op(BlockSpaceManager(4, 4), PoolOp("alloc", "a", [1]))
+        apply_op(PoolState(BlockSpaceManager(4, 4)), PoolOp("alloc", "a", [1]))

@@ -3,21 +3,27 @@
 Tokens of all sequences in a step are packed into one flat batch ("varlen"), as vLLM does:
 sequence b owns tokens query_start_loc[b]:query_start_loc[b+1], and after this step it holds
 seq_lens[b] tokens of context, so its new tokens sit at positions seq_lens[b]-query_len .. seq_lens[b]-1.
+
+The metadata is built once per step, moved to the device once (to), and is frozen: every layer
+reads the same object. A cache that validates it against its pool returns a copy stamped with
+that pool's geometry (checked_for), so the 30 layers of a step do not validate it 30 times, and a
+metadata that was never checked for this pool cannot pass as checked.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B+1] int, cumulative query lengths
     seq_lens: torch.Tensor  # [B] int, context length of each sequence after this step
     cache_rows: torch.Tensor | None = None  # [B] contiguous cache: the row each sequence owns
     slot_mapping: torch.Tensor | None = None  # [T] paged cache: where each new token's K/V goes
     block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
+    checked_for: tuple | None = None  # the pool geometry these were validated against, if any
 
     def __post_init__(self) -> None:
         if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:
@@ -47,11 +53,18 @@ class AttentionMetadata:
 
     @property
     def positions(self) -> torch.Tensor:
-        """Absolute position of every packed token."""
-        starts = self.seq_lens - self.query_lens
-        return torch.cat(
-            [torch.arange(int(s), int(s) + int(n)) for s, n in zip(starts, self.query_lens)]
-        ) if self.num_seqs else torch.zeros(0, dtype=torch.long)
+        """Absolute position of every packed token, on the metadata's device, without a Python loop."""
+        q_lens = self.query_lens.long()
+        starts = self.query_start_loc[:-1].long()
+        first_pos = (self.seq_lens.long() - q_lens)
+        token = torch.arange(self.num_tokens, device=self.seq_lens.device)
+        return token + torch.repeat_interleave(first_pos - starts, q_lens, output_size=self.num_tokens)
+
+    def to(self, device: str | torch.device) -> "AttentionMetadata":
+        """The same metadata with every tensor on device (one copy per step, not one per layer)."""
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **moved)
 
     @staticmethod
     def from_lens(query_lens: list[int], seq_lens: list[int], **extra) -> "AttentionMetadata":

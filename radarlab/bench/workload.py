@@ -24,7 +24,9 @@ import numpy as np
 
 
 @dataclass(frozen=True)
-class Request:
+class WorkloadRequest:
+    """One request of a synthetic workload: only its lengths matter."""
+
     request_id: int
     prompt_len: int
     output_len: int  # tokens to generate, the last one included
@@ -74,7 +76,7 @@ def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: floa
     return np.maximum(1, np.rint(rng.lognormal(mu, sigma, size=n))).astype(np.int64)
 
 
-def make_workload(spec: WorkloadSpec = WorkloadSpec()) -> list[Request]:
+def make_workload(spec: WorkloadSpec = WorkloadSpec()) -> list[WorkloadRequest]:
     """The requests of a spec, the same for the same spec on every machine (numpy's PCG64 generator)."""
     rng = np.random.default_rng(spec.seed)
     prompts = lognormal_lengths(rng, spec.num_requests, spec.prompt_mean, spec.prompt_sigma)
@@ -83,7 +85,7 @@ def make_workload(spec: WorkloadSpec = WorkloadSpec()) -> list[Request]:
     for i, (p, o) in enumerate(zip(prompts.tolist(), outputs.tolist())):
         p = min(p, spec.max_model_len - 1)
         o = min(o, spec.max_model_len - p)
-        requests.append(Request(i, p, o))
+        requests.append(WorkloadRequest(i, p, o))
     return requests
 
 

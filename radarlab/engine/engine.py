@@ -18,8 +18,9 @@ from radarlab.engine.params import SamplingParams
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
-from radarlab.kvcache.block_table import BlockSpaceManager, _as_token_ids
+from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
 
 
@@ -72,7 +73,7 @@ class Engine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
-        token_ids = _as_token_ids(prompt_token_ids, "prompt_token_ids")  # ValueError if empty
+        token_ids = as_token_ids(prompt_token_ids, "prompt_token_ids")  # ValueError if empty
         vocab = self.model.config.vocab_size
         for i, t in enumerate(token_ids):
             if t >= vocab:
@@ -81,7 +82,7 @@ class Engine:
             request_id = next(self._ids)
             while request_id in self.scheduler.requests:
                 request_id = next(self._ids)
-        self.scheduler.add_request(Request(request_id, token_ids, params))
+        self.scheduler.add_request(Request(request_id, token_ids, params, block_size=self.manager.block_size))
         return request_id
 
     def abort(self, request_id: Hashable) -> bool:
@@ -112,13 +113,12 @@ class Engine:
         if not sched.requests:
             return outputs
         self.cache.copy_blocks(sched.copy_pairs)
-        ids = [r.request_id for r in sched.requests]
-        logits = paged_step(self.model, self.cache, self.manager, ids, sched.num_computed_tokens,
+        logits = paged_step(self.model, self.cache, self.manager, sched.requests, sched.num_computed_tokens,
                             sched.num_scheduled_tokens)
         self.scheduler.update(sched)
         self.num_steps += 1
         rows = [b for b, r in enumerate(sched.requests)  # prompt (or recompute) complete: sample
-                if r.num_computed_tokens == self.manager.num_tokens(r.request_id)]
+                if r.num_computed_tokens == r.num_tokens]
         if not rows:
             return outputs
         done = [sched.requests[b] for b in rows]
@@ -128,7 +128,7 @@ class Engine:
             if request.params.n > 1 and not request.forked:
                 forked += self._fork(request, logits[row])
         for request, token in [*zip(done, tokens), *forked]:
-            request.output_token_ids.append(token)
+            request.append_token_ids([token])
             status = self._stop_status(request, token)
             if status is not None:
                 self.scheduler.finish(request, status)
@@ -144,7 +144,7 @@ class Engine:
         for i in range(1, p.n):
             params = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
             child = Request((parent.request_id, i), parent.prompt_token_ids, params, parent_id=parent.request_id,
-                            index=i)
+                            index=i, block_size=self.manager.block_size)
             child.forked = True
             self.scheduler.add_forked(parent, child)
             children.append(child)
@@ -156,7 +156,7 @@ class Engine:
         p = request.params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
             return RequestStatus.FINISHED_STOPPED
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

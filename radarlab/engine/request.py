@@ -7,6 +7,7 @@ from typing import Hashable
 import torch
 
 from radarlab.engine.params import SamplingParams
+from radarlab.kvcache.sequence import Sequence
 
 
 class RequestStatus(enum.Enum):
@@ -23,8 +24,9 @@ class RequestStatus(enum.Enum):
         return self.name.startswith("FINISHED")
 
 
-class Request:
-    """Prompt and output token ids, and how many of them already have K/V in the pool.
+class Request(Sequence):
+    """A Sequence (the one store of its token ids and block hashes) plus what scheduling and
+    sampling need: how many tokens already have K/V in the pool, status, and its own generator.
 
     num_computed_tokens counts positions of prompt + output whose K/V is in the cache; after
     preemption it drops to 0 and everything is recomputed. The generator is the request's own,
@@ -32,13 +34,12 @@ class Request:
     """
 
     def __init__(self, request_id: Hashable, prompt_token_ids: list[int], params: SamplingParams,
-                 arrival_index: int = 0, parent_id: Hashable | None = None, index: int = 0) -> None:
-        self.request_id = request_id
+                 arrival_index: int = 0, parent_id: Hashable | None = None, index: int = 0,
+                 block_size: int | None = None) -> None:
+        super().__init__(request_id, prompt_token_ids, block_size)
         self.parent_id = parent_id  # parallel sampling: the request this sample was forked from
         self.index = index  # which of the parent's n samples this is (the parent is sample 0)
         self.forked = False  # n > 1: the other n - 1 samples exist (forked after the prompt)
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.output_token_ids: list[int] = []
         self.params = params
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
@@ -52,12 +53,8 @@ class Request:
             self.generator.seed()
 
     @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+    def request_id(self) -> Hashable:
+        return self.seq_id
 
     @property
     def finished(self) -> bool:
@@ -69,5 +66,5 @@ class Request:
         return 1 if self.forked else self.params.n
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, {self.status.name}, prompt={len(self.prompt_token_ids)}, "
-                f"output={len(self.output_token_ids)}, computed={self.num_computed_tokens})")
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"output={self.num_output_tokens}, computed={self.num_computed_tokens})")

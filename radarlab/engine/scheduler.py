@@ -2,9 +2,11 @@
 
 Each step the scheduler hands out a token budget (max_num_batched_tokens), as vLLM v1 does: running
 requests first, in arrival order (one token each for decodes, a chunk of the rest for prefills),
-then waiting requests, admitted while there are blocks, sequence slots and budget. When a running
-request needs a block and none is free, the newest running request is preempted: its blocks are
-freed and it goes back to the front of the queue, to be recomputed (prompt + outputs so far) later.
+then waiting requests, admitted while there are sequence slots and budget and the whole request
+fits the pool. A request gets blocks only for the tokens scheduled this step (vLLM's
+allocate_slots); when a running request needs a block and none is free, the newest running request
+is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
+(prompt + outputs so far) later.
 
 Requests that can never run end with FINISHED_ERROR instead of waiting forever: a prompt longer
 than max_model_len, or prompt + outputs needing more blocks than the whole pool.
@@ -15,9 +17,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks, hash_block_chain
 from radarlab.engine.request import Request, RequestStatus
+from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager
+from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.util import require_int
 
 
 @dataclass
@@ -41,8 +44,7 @@ class Scheduler:
                  max_model_len: int = 2048) -> None:
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            require_int(name, value)
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -61,8 +63,8 @@ class Scheduler:
             raise ValueError(f"n={request.params.n} samples need {request.num_seats} sequence slots, more than "
                              f"max_num_seqs={self.max_num_seqs}")
         self.requests[request.request_id] = request
-        if len(request.prompt_token_ids) > self.max_model_len:
-            self._finish_error(request, f"prompt has {len(request.prompt_token_ids)} tokens, more than "
+        if request.num_prompt_tokens > self.max_model_len:
+            self._finish_error(request, f"prompt has {request.num_prompt_tokens} tokens, more than "
                                         f"max_model_len={self.max_model_len}")
             self._errored.append(request)
             return
@@ -97,22 +99,17 @@ class Scheduler:
         out = SchedulerOutput()
         out.errored, self._errored = list(self._errored), []
         budget = self.max_num_batched_tokens
-        pending: set[int] = set()  # full blocks whose K/V will still be missing after this step
 
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            sid = request.request_id
-            if request.num_computed_tokens == self.manager.num_tokens(sid):  # decode: slot for the last token
-                if not self._append_or_preempt(request, out):
-                    break  # the request preempted itself: nothing after it is running
             computed = request.num_computed_tokens
-            n = min(self.manager.num_tokens(sid) - computed, budget)
-            self._schedule(out, request, computed, n, pending)
+            n = min(request.num_tokens - computed, budget)  # 1 for a decode, a chunk for a prefill
+            if not self._append_or_preempt(request, computed + n - self.manager.num_slots(request), out):
+                break  # the request preempted itself: nothing after it is running
+            self._schedule(out, request, computed, n)
             budget -= n
             i += 1
-        for request in self.running[i:]:  # not reached this step; their uncomputed blocks stay pending
-            self._mark_pending(request, request.num_computed_tokens, pending)
 
         # After a preemption admit nothing (the pool is short) unless nothing runs: then the pool is
         # all free, and the head either fits or can never fit (an error), so the step makes progress.
@@ -121,22 +118,22 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) + request.num_seats > self.max_num_seqs:
                 break
-            token_ids = request.all_token_ids
-            status = self.manager.can_allocate(token_ids)
+            status = self.manager.can_allocate(request)  # the whole request must fit (reserve_full_isl)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._finish_error(request, f"{len(token_ids)} tokens need more blocks than the whole pool "
+                self._finish_error(request, f"{request.num_tokens} tokens need more blocks than the whole pool "
                                             f"({self.manager.num_blocks} blocks of {self.manager.block_size})")
                 out.errored.append(request)
                 continue
-            if status is AllocStatus.LATER or self._hits_pending(token_ids, pending):
+            if status is AllocStatus.LATER:
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
-            request.num_computed_tokens = self.manager.allocate(request.request_id, token_ids)
+            _, num_cached = self.manager.get_computed_blocks(request)
+            n = min(request.num_tokens - num_cached, budget)
+            request.num_computed_tokens = self.manager.allocate(request, n)  # blocks for this chunk only
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            n = min(len(token_ids) - request.num_computed_tokens, budget)
-            self._schedule(out, request, request.num_computed_tokens, n, pending)
+            self._schedule(out, request, request.num_computed_tokens, n)
             budget -= n
 
         if not out.requests and not out.errored and (self.waiting or self.running):
@@ -149,7 +146,7 @@ class Scheduler:
         right after it."""
         if child.request_id in self.requests:
             raise ValueError(f"request id {child.request_id!r} is already in use")
-        self.manager.fork(parent.request_id, child.request_id)
+        self.manager.fork(parent, child)
         child.num_computed_tokens = parent.num_computed_tokens
         child.status = RequestStatus.RUNNING
         self.requests[child.request_id] = child
@@ -161,30 +158,18 @@ class Scheduler:
             request.num_computed_tokens += n
 
     # --- helpers ---------------------------------------------------------------------------
-    def _schedule(self, out, request, computed, n, pending) -> None:
+    @staticmethod
+    def _schedule(out, request, computed, n) -> None:
         out.requests.append(request)
         out.num_computed_tokens.append(computed)
         out.num_scheduled_tokens.append(n)
-        self._mark_pending(request, computed + n, pending)
 
-    def _mark_pending(self, request: Request, computed_after: int, pending: set[int]) -> None:
-        pending.update(self.manager.get_block_table(request.request_id)[computed_after // self.manager.block_size:])
-
-    def _hits_pending(self, token_ids: list[int], pending: set[int]) -> bool:
-        """Would a prefix-cache hit land on a block another request has registered but not yet
-        computed (a chunked prefill in flight)? Then wait: its K/V is not there to read."""
-        allocator = self.manager.allocator
-        if not allocator.enable_prefix_caching or not pending:
-            return False
-        hit = allocator.find_longest_cache_hit(hash_block_chain(token_ids[:-1], self.manager.block_size))
-        return any(b in pending for b in hit)
-
-    def _append_or_preempt(self, request: Request, out: SchedulerOutput) -> bool:
-        """Reserve a slot for the request's newest token, preempting the newest running requests
-        until it fits. False if the request had to preempt itself."""
+    def _append_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
+        """Reserve slots for the request's next num_new_slots tokens, preempting the newest running
+        requests until they fit. False if the request had to preempt itself."""
         while True:
             try:
-                out.copy_pairs += self.manager.append_slots(request.request_id, request.output_token_ids[-1:])
+                out.copy_pairs += self.manager.append_slots(request, num_new_slots)
                 return True
             except NoFreeBlocks:
                 victim = self.running.pop()
@@ -202,7 +187,7 @@ class Scheduler:
 
     def _free(self, request: Request) -> None:
         """Free the request's blocks; those whose K/V was never computed leave the prefix cache."""
-        self.manager.free(request.request_id, request.num_computed_tokens)
+        self.manager.free(request, request.num_computed_tokens)
         request.num_computed_tokens = 0
 
     def _finish_error(self, request: Request, message: str) -> None:

@@ -8,76 +8,68 @@ block_ids[i]. A token at position p is written to
 
 which is a row of the pool viewed as [num_blocks * block_size, num_kv_heads, head_dim].
 
-BlockSpaceManager is named after vLLM's (v0) manager, which owned the same operations: can_allocate,
-allocate, can_append_slots, append_slots (returning copy-on-write pairs), fork and free; vLLM v1
-calls this role KVCacheManager. We add rollback, which speculative decoding needs.
+The manager owns blocks, never tokens. A sequence's token ids and block hashes live in its
+Sequence (radarlab.kvcache.sequence; the engine's Request is one), which every method takes and
+reads, as vLLM v1's KVCacheManager reads its Request. BlockSpaceManager is named after vLLM's v0
+manager, whose operations it keeps (can_allocate, allocate, append_slots returning copy-on-write
+pairs, fork, free), plus rollback for speculative decoding.
 
-Contract with the pool: each call reserves slots for the tokens it is given, and the caller writes
-their K/V in the next forward pass, before anything reads them. allocate and append_slots register
-every block that becomes full in the prefix cache straight away, as vLLM does; the copy-on-write
-pairs returned by append_slots must be copied before that forward pass writes.
+Allocation follows vLLM 0.32's v1 scheduler:
+- admission needs room for the whole sequence (scheduler_reserve_full_isl, on by default), so a
+  long prompt is not admitted only to stall halfway through its chunks;
+- but blocks are taken only for the tokens a step will compute (KVCacheManager.allocate_slots with
+  num_new_tokens): a prompt prefilled in chunks holds the blocks of the chunks done so far.
+
+Contract with the pool: every call reserves slots for the next tokens, and the caller writes their
+K/V in the next forward pass. Blocks that become full are registered in the prefix cache when they
+are reserved, as vLLM does; since only the tokens of this step are reserved, every registered block
+is written by the end of the step. Copy-on-write pairs returned by append_slots must be copied
+before that forward pass writes.
 """
 from __future__ import annotations
 
 import enum
-import operator
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Hashable, Sequence as SequenceType
 
 import torch
 
-from radarlab.util import cdiv
-from radarlab.kvcache.blocks import (
-    BlockAllocator, BlockHash, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
-)
+from radarlab.kvcache.blocks import BlockAllocator, NoFreeBlocks, PrefixCacheStats
+from radarlab.kvcache.sequence import Sequence
+from radarlab.util import cdiv, require_int
 
 SeqId = Hashable
 
 
-def check_block_table(block_ids: Sequence[int], num_blocks: int, pad: int | None = None) -> None:
-    """ValueError naming the first entry that is not a block of a pool of num_blocks (pad is allowed)."""
-    for i, block_id in enumerate(block_ids):
-        if block_id == pad:
-            continue
-        if not 0 <= block_id < num_blocks:
-            raise ValueError(f"block table entry {i} is {block_id}, outside the pool (valid ids: 0..{num_blocks - 1})")
-
-
 @dataclass
 class BlockTable:
-    """One sequence: its physical blocks in logical order, and the tokens that have slots in them.
-
-    block_hashes holds the chain hash of each full block (only with prefix caching on).
-    """
+    """One sequence's physical blocks in logical order. Positions 0..num_slots-1 have slots;
+    the first num_cached_blocks blocks have been offered to the prefix cache."""
     block_size: int
     block_ids: list[int] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    block_hashes: list[BlockHash] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+    num_slots: int = 0
+    num_cached_blocks: int = 0
 
     def slot(self, pos: int) -> int:
-        if not 0 <= pos < self.num_tokens:
-            raise ValueError(f"position {pos} has no slot; the sequence holds {self.num_tokens} tokens")
+        if not 0 <= pos < self.num_slots:
+            raise ValueError(f"position {pos} has no slot; the sequence has slots for {self.num_slots} tokens")
         return self.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def slot_mapping(self, start_pos: int, num_tokens: int) -> list[int]:
         """Slots of positions start_pos .. start_pos+num_tokens-1."""
-        if num_tokens < 0 or start_pos < 0 or start_pos + num_tokens > self.num_tokens:
-            raise ValueError(f"positions {start_pos}..{start_pos + num_tokens - 1} are outside the sequence's "
-                             f"{self.num_tokens} tokens")
+        if num_tokens < 0 or start_pos < 0 or start_pos + num_tokens > self.num_slots:
+            raise ValueError(f"positions {start_pos}..{start_pos + num_tokens - 1} are outside the "
+                             f"{self.num_slots} positions that have slots")
         return [self.slot(p) for p in range(start_pos, start_pos + num_tokens)]
 
     def copy(self) -> "BlockTable":
-        return BlockTable(self.block_size, list(self.block_ids), list(self.token_ids), list(self.block_hashes))
+        return BlockTable(self.block_size, list(self.block_ids), self.num_slots, self.num_cached_blocks)
 
 
 class AllocStatus(enum.Enum):
-    """Answer of can_allocate. Truthy only for OK, so `if manager.can_allocate(p):` reads naturally.
+    """Answer of can_allocate. Truthy only for OK, so `if manager.can_allocate(seq):` reads naturally.
 
-    NEVER means the prompt needs more blocks than the whole pool: waiting would hang, so reject it.
+    NEVER means the sequence needs more blocks than the whole pool: waiting would hang, so reject it.
     """
     OK = "ok"
     LATER = "later"
@@ -107,71 +99,92 @@ class BlockSpaceManager:
     def prefix_cache_stats(self) -> PrefixCacheStats:
         return self.allocator.prefix_cache_stats
 
-    def __contains__(self, seq_id: SeqId) -> bool:
-        return seq_id in self.block_tables
+    def __contains__(self, seq) -> bool:
+        return _seq_id(seq) in self.block_tables
 
-    # --- prompt -------------------------------------------------------------------------------
-    def can_allocate(self, prompt_token_ids: Sequence[int]) -> AllocStatus:
-        token_ids = _as_token_ids(prompt_token_ids, "prompt_token_ids")
-        num_required = cdiv(len(token_ids), self.block_size)
+    # --- admission ------------------------------------------------------------------------------
+    def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
+        """The longest run of the sequence's full blocks found in the prefix cache, and the tokens
+        they hold. Changes nothing and counts no query.
+
+        The block holding the last token never hits, so at least that token is computed and the
+        step still yields logits (vLLM does the same; with a block-aligned, fully cached prompt the
+        whole last block is recomputed).
+        """
+        if not self.allocator.enable_prefix_caching:
+            return [], 0
+        seq.bind_block_size(self.block_size)
+        hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]
+        hit = self.allocator.find_longest_cache_hit(hashes)
+        return hit, len(hit) * self.block_size
+
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        """Could the whole sequence (prompt, and outputs so far after a preemption) have blocks now?"""
+        num_required = cdiv(seq.num_tokens, self.block_size)
         if num_required > self.num_blocks:
             return AllocStatus.NEVER
-        _, hit = self._cache_hit(token_ids)
+        hit, _ = self.get_computed_blocks(seq)
         return AllocStatus.OK if self._blocks_to_take(num_required, hit) <= self.num_free_blocks else AllocStatus.LATER
 
-    def allocate(self, seq_id: SeqId, prompt_token_ids: Sequence[int]) -> int:
-        """Give a new sequence slots for its whole prompt; return num_computed_tokens, the prompt
-        tokens whose KV came from the prefix cache. Compute the rest: slot_mapping(seq_id,
-        num_computed_tokens, len(prompt) - num_computed_tokens).
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
+        """Admit a sequence: adopt its prefix-cache hit, then reserve slots for the next num_new_tokens
+        tokens (default: all the rest). Returns num_computed_tokens, the tokens served by the cache.
 
-        The block holding the last prompt token is never taken from the cache, so at least that token
-        is computed and the prompt still yields logits (vLLM does the same; with a block-aligned, fully
-        cached prompt the whole last block is recomputed).
-        Raises NoFreeBlocks (nothing changed) if the pool is short now, ValueError if it always will be.
+        The whole sequence must fit now (vLLM's scheduler_reserve_full_isl), although only the first
+        chunk gets blocks. Raises NoFreeBlocks (nothing changed) if the pool is short now, ValueError
+        if it always will be.
         """
-        if seq_id in self.block_tables:
-            raise ValueError(f"sequence {seq_id!r} already has a block table")
-        token_ids = _as_token_ids(prompt_token_ids, "prompt_token_ids")
-        num_required = cdiv(len(token_ids), self.block_size)
+        if seq.seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq.seq_id!r} already has a block table")
+        num_required = cdiv(seq.num_tokens, self.block_size)
         if num_required > self.num_blocks:
-            raise ValueError(f"prompt of {len(token_ids)} tokens needs {num_required} blocks of {self.block_size}; "
-                             f"the whole pool has {self.num_blocks}")
-        query_hashes, hit = self._cache_hit(token_ids)  # counted in the stats only once allocate succeeds
+            raise ValueError(f"sequence {seq.seq_id!r} of {seq.num_tokens} tokens needs {num_required} blocks of "
+                             f"{self.block_size}; the whole pool has {self.num_blocks}")
+        hit, num_computed = self.get_computed_blocks(seq)
         num_to_take = self._blocks_to_take(num_required, hit)
         if num_to_take > self.num_free_blocks:
-            raise NoFreeBlocks(f"prompt of {len(token_ids)} tokens needs {num_to_take} free blocks, "
-                               f"{self.num_free_blocks} are free")
+            raise NoFreeBlocks(f"sequence {seq.seq_id!r} of {seq.num_tokens} tokens needs {num_to_take} free "
+                               f"blocks, {self.num_free_blocks} are free")
+        remaining = seq.num_tokens - num_computed
+        num_new = remaining if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1, remaining)
+        num_slots = num_computed + num_new
         for block_id in hit:
             self.allocator.incref(block_id)
-        new_blocks = self.allocator.allocate_many(num_required - len(hit))
-        table = BlockTable(self.block_size, hit + new_blocks, token_ids, query_hashes[:len(hit)])
-        self.block_tables[seq_id] = table
-        self._cache_full_blocks(table)
-        num_computed_tokens = len(hit) * self.block_size
-        self.allocator.prefix_cache_stats.record(len(token_ids), num_computed_tokens, len(query_hashes), len(hit))
-        return num_computed_tokens
+        new_blocks = self.allocator.allocate_many(cdiv(num_slots, self.block_size) - len(hit))
+        table = BlockTable(self.block_size, hit + new_blocks, num_slots, len(hit))
+        self.block_tables[seq.seq_id] = table
+        self._cache_full_blocks(seq, table)
+        if self.allocator.enable_prefix_caching:
+            num_query_blocks = (seq.num_tokens - 1) // self.block_size
+            self.prefix_cache_stats.record(seq.num_tokens, num_computed, num_query_blocks, len(hit))
+        return num_computed
 
-    # --- decode ---------------------------------------------------------------------------
-    def can_append_slots(self, seq_id: SeqId, num_new_tokens: int = 1) -> bool:
-        return self._append_cost(self._table(seq_id), num_new_tokens) <= self.num_free_blocks
+    # --- growing ----------------------------------------------------------------------------------
+    def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+        return self._append_cost(self._table(seq), num_new_tokens) <= self.num_free_blocks
 
-    def append_slots(self, seq_id: SeqId, new_token_ids: Sequence[int]) -> list[tuple[int, int]]:
-        """Reserve slots for new tokens (one per decode step, several for speculative drafts).
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+        """Reserve slots for the sequence's next num_new_tokens tokens: one for a decode step, a chunk
+        for a prompt prefilled in chunks, several for speculative drafts. The tokens must already be
+        in the sequence.
 
-        Returns copy-on-write pairs (src_block, dst_block): the sequence's partly filled last block
-        was shared (a fork), so it now owns a private copy; the pool must copy src to dst before
-        writing the new tokens. Raises NoFreeBlocks (nothing changed) if the pool is short.
+        Returns copy-on-write pairs (src_block, dst_block): the partly filled last block was shared
+        (a fork), so the sequence now owns a private copy, and the pool must copy src to dst before
+        writing. Raises NoFreeBlocks (nothing changed) if the pool is short.
         """
-        table = self._table(seq_id)
-        token_ids = _as_token_ids(new_token_ids, "new_token_ids", allow_empty=True)
-        num_to_take = self._append_cost(table, len(token_ids))
+        table = self._table(seq)
+        num_new = require_int("num_new_tokens", num_new_tokens, 0)
+        if table.num_slots + num_new > seq.num_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens, {table.num_slots} with slots; "
+                             f"it has no tokens for {num_new} more slots (append the tokens first)")
+        num_to_take = self._append_cost(table, num_new)
         if num_to_take > self.num_free_blocks:
-            raise NoFreeBlocks(f"sequence {seq_id!r} needs {num_to_take} free blocks for {len(token_ids)} "
-                               f"new tokens, {self.num_free_blocks} are free")
-        if not token_ids:
+            raise NoFreeBlocks(f"sequence {seq.seq_id!r} needs {num_to_take} free blocks for {num_new} new tokens, "
+                               f"{self.num_free_blocks} are free")
+        if not num_new:
             return []
         copies = []
-        if table.num_tokens % self.block_size:  # the next token lands in the last block
+        if table.num_slots % self.block_size:  # the next token lands in the last block
             last = table.block_ids[-1]
             if self.allocator.ref_count(last) > 1:  # shared: write into a private copy
                 copy = self.allocator.allocate()
@@ -181,47 +194,53 @@ class BlockSpaceManager:
             elif self.allocator.block_hashes[last] is not None:
                 # Ours alone, but still cached from before a rollback: its content is about to change.
                 self.allocator.uncache_block(last)
-        num_new_blocks = cdiv(table.num_tokens + len(token_ids), self.block_size) - len(table.block_ids)
+        num_new_blocks = cdiv(table.num_slots + num_new, self.block_size) - len(table.block_ids)
         table.block_ids += self.allocator.allocate_many(num_new_blocks)
-        table.token_ids += token_ids
-        self._cache_full_blocks(table)
+        table.num_slots += num_new
+        self._cache_full_blocks(seq, table)
         return copies
 
-    def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
+    def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent (parallel sampling, n > 1); no KV is copied
-        until one of them writes into a shared block."""
-        if child_id in self.block_tables:
-            raise ValueError(f"sequence {child_id!r} already has a block table")
-        table = self._table(parent_id).copy()
+        until one of them writes into a shared block. The child's tokens must start with the ones the
+        parent has slots for."""
+        if child.seq_id in self.block_tables:
+            raise ValueError(f"sequence {child.seq_id!r} already has a block table")
+        table = self._table(parent).copy()
+        if child.all_token_ids[:table.num_slots] != parent.all_token_ids[:table.num_slots]:
+            raise ValueError(f"sequence {child.seq_id!r} does not start with the {table.num_slots} tokens that "
+                             f"{parent.seq_id!r} has slots for, so it cannot share its blocks")
+        child.bind_block_size(self.block_size)
         for block_id in table.block_ids:
             self.allocator.incref(block_id)
-        self.block_tables[child_id] = table
+        self.block_tables[child.seq_id] = table
 
-    def rollback(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Drop the last num_tokens tokens (rejected speculative drafts). Blocks left empty are freed.
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """Drop the sequence's last num_tokens tokens (rejected speculative drafts): from its token ids,
+        and their slots. Blocks left empty are freed.
 
         A block left partly filled keeps its content until the next append_slots writes into it
         (then it is copied if shared, or uncached if cached).
         """
-        table = self._table(seq_id)
-        if not 0 <= num_tokens < table.num_tokens:
-            raise ValueError(f"cannot roll back {num_tokens} of sequence {seq_id!r}'s {table.num_tokens} tokens "
-                             "(at least one must remain; use free to drop the sequence)")
-        new_len = table.num_tokens - num_tokens
-        num_kept = cdiv(new_len, self.block_size)
+        table = self._table(seq)
+        num_tokens = require_int("num_tokens", num_tokens, 0)
+        seq.truncate(seq.num_tokens - num_tokens)  # ValueError if it would cut into the prompt
+        num_slots = min(table.num_slots, seq.num_tokens)
+        num_kept = cdiv(num_slots, self.block_size)
         for block_id in reversed(table.block_ids[num_kept:]):
             self.allocator.free(block_id)
         del table.block_ids[num_kept:]
-        del table.token_ids[new_len:]
-        del table.block_hashes[new_len // self.block_size:]
+        table.num_slots = num_slots
+        table.num_cached_blocks = min(table.num_cached_blocks, num_slots // self.block_size)
 
-    def free(self, seq_id: SeqId, num_computed_tokens: int | None = None) -> None:
-        """Release a finished or preempted sequence. Blocks are freed tail first, so under LRU the
-        tail is evicted before the shared prefix other prompts are likelier to reuse.
+    def free(self, seq, num_computed_tokens: int | None = None) -> None:
+        """Release a finished or preempted sequence (or its id). Blocks are freed tail first, so under
+        LRU the tail is evicted before the shared prefix other prompts are likelier to reuse.
 
-        Full blocks are registered in the prefix cache when they are reserved, before their K/V is
-        written. A sequence cut short (aborted or preempted mid-prefill) passes num_computed_tokens:
-        its private blocks past that point are dropped from the cache, so nobody hits their garbage."""
+        A sequence cut short before its reserved tokens were computed (aborted or preempted with a
+        step scheduled but not run) passes num_computed_tokens: its private blocks past that point
+        are dropped from the cache, so nobody hits their garbage."""
+        seq_id = _seq_id(seq)
         table = self.block_tables.get(seq_id)
         if table is None:
             raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or already freed)")
@@ -234,43 +253,44 @@ class BlockSpaceManager:
             self.allocator.free(block_id)
 
     # --- what the pool and attention read -----------------------------------------------------
-    def get_block_table(self, seq_id: SeqId) -> list[int]:
-        return list(self._table(seq_id).block_ids)
+    def get_block_table(self, seq) -> list[int]:
+        return list(self._table(seq).block_ids)
 
-    def num_tokens(self, seq_id: SeqId) -> int:
-        return self._table(seq_id).num_tokens
+    def num_slots(self, seq) -> int:
+        """Leading positions of the sequence that have slots."""
+        return self._table(seq).num_slots
 
-    def slot_mapping(self, seq_id: SeqId, start_pos: int, num_tokens: int) -> list[int]:
+    def slot_mapping(self, seq, start_pos: int, num_tokens: int) -> list[int]:
         """slot = block_id * block_size + offset for positions start_pos .. start_pos+num_tokens-1."""
-        return self._table(seq_id).slot_mapping(start_pos, num_tokens)
+        return self._table(seq).slot_mapping(start_pos, num_tokens)
 
-    def block_table_tensor(self, seq_ids: Sequence[SeqId], max_blocks: int | None = None, pad: int = -1,
+    def block_table_tensor(self, seqs: SequenceType, max_blocks: int | None = None, pad: int = -1,
                            device: str | torch.device | None = None) -> torch.Tensor:
-        """int32 [B, max_blocks] block tables, row b padded with `pad` past its last block.
+        """int32 [B, max_blocks] block tables of the sequences (or ids), row b padded with `pad`.
 
         The default pad, -1, is never a block id, so a stray read is easy to spot. Kernels must stop
         at cdiv(seq_len, block_size) and never read a pad entry; note torch indexing would wrap -1 to
         the last block silently. vLLM pads with 0 instead; pass pad=0 for that.
         """
-        tables = [self._table(s).block_ids for s in seq_ids]
+        tables = [self._table(s).block_ids for s in seqs]
         width = max((len(t) for t in tables), default=0) if max_blocks is None else max_blocks
         out = torch.full((len(tables), width), pad, dtype=torch.int32)
         for row, block_ids in enumerate(tables):
             if len(block_ids) > width:
-                raise ValueError(f"sequence {seq_ids[row]!r} has {len(block_ids)} blocks; max_blocks is {width}")
-            check_block_table(block_ids, self.num_blocks)
+                raise ValueError(f"sequence {_seq_id(seqs[row])!r} has {len(block_ids)} blocks; "
+                                 f"max_blocks is {width}")
             out[row, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         return out.to(device) if device is not None else out
 
-    def slot_mapping_tensor(self, seq_ids: Sequence[SeqId], start_positions: Sequence[int],
-                            query_lens: Sequence[int], pad_to: int | None = None,
+    def slot_mapping_tensor(self, seqs: SequenceType, start_positions: SequenceType[int],
+                            query_lens: SequenceType[int], pad_to: int | None = None,
                             device: str | torch.device | None = None) -> torch.Tensor:
         """int64 [T] slots of every new token in the packed batch (sequence b's query_lens[b] tokens
         from start_positions[b]), then -1 up to pad_to. The KV write skips -1 (vLLM's convention)."""
-        if not len(seq_ids) == len(start_positions) == len(query_lens):
-            raise ValueError(f"seq_ids, start_positions and query_lens differ in length: "
-                             f"{len(seq_ids)}, {len(start_positions)}, {len(query_lens)}")
-        slots = [slot for s, start, n in zip(seq_ids, start_positions, query_lens)
+        if not len(seqs) == len(start_positions) == len(query_lens):
+            raise ValueError(f"seqs, start_positions and query_lens differ in length: "
+                             f"{len(seqs)}, {len(start_positions)}, {len(query_lens)}")
+        slots = [slot for s, start, n in zip(seqs, start_positions, query_lens)
                  for slot in self.slot_mapping(s, start, n)]
         if pad_to is not None:
             if pad_to < len(slots):
@@ -280,59 +300,37 @@ class BlockSpaceManager:
         return out.to(device) if device is not None else out
 
     # --- helpers --------------------------------------------------------------------------
-    def _table(self, seq_id: SeqId) -> BlockTable:
+    def _table(self, seq) -> BlockTable:
+        seq_id = _seq_id(seq)
         table = self.block_tables.get(seq_id)
         if table is None:
             raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or already freed)")
         return table
 
-    def _cache_hit(self, token_ids: list[int]) -> tuple[list[BlockHash], list[int]]:
-        """Hashes of the full blocks before the last prompt token, and the cached blocks for the
-        longest prefix of them."""
-        if not self.allocator.enable_prefix_caching:
-            return [], []
-        query_hashes = hash_block_chain(token_ids[:-1], self.block_size)
-        return query_hashes, self.allocator.find_longest_cache_hit(query_hashes)
-
     def _blocks_to_take(self, num_required: int, hit: list[int]) -> int:
-        """Free blocks a prompt uses up: fresh ones, plus cache hits revived from the evictable set."""
+        """Free blocks a sequence uses up: fresh ones, plus cache hits revived from the evictable set."""
         num_revived = sum(self.allocator.ref_count(b) == 0 for b in hit)
         return num_required - len(hit) + num_revived
 
     def _append_cost(self, table: BlockTable, num_new_tokens: int) -> int:
-        if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+        num_new_tokens = require_int("num_new_tokens", num_new_tokens, 0)
         if num_new_tokens == 0:
             return 0
-        num_new_blocks = cdiv(table.num_tokens + num_new_tokens, self.block_size) - len(table.block_ids)
-        cow = table.num_tokens % self.block_size != 0 and self.allocator.ref_count(table.block_ids[-1]) > 1
+        num_new_blocks = cdiv(table.num_slots + num_new_tokens, self.block_size) - len(table.block_ids)
+        cow = table.num_slots % self.block_size != 0 and self.allocator.ref_count(table.block_ids[-1]) > 1
         return num_new_blocks + int(cow)
 
-    def _cache_full_blocks(self, table: BlockTable) -> None:
-        """Hash each block that has become full and offer it to the prefix cache."""
+    def _cache_full_blocks(self, seq: Sequence, table: BlockTable) -> None:
+        """Offer each block that has become full (of this sequence's own tokens) to the prefix cache,
+        under the hash the sequence computed for it."""
         if not self.allocator.enable_prefix_caching:
             return
-        for i in range(len(table.block_hashes), table.num_tokens // self.block_size):
-            parent = table.block_hashes[-1] if table.block_hashes else None
-            tokens = table.token_ids[i * self.block_size:(i + 1) * self.block_size]
-            block_hash = hash_block_tokens(parent, tokens)
-            table.block_hashes.append(block_hash)
-            self.allocator.cache_full_block(table.block_ids[i], block_hash)
+        num_full = min(table.num_slots, seq.num_tokens) // self.block_size
+        hashes = seq.block_hashes
+        for i in range(table.num_cached_blocks, num_full):
+            self.allocator.cache_full_block(table.block_ids[i], hashes[i])
+        table.num_cached_blocks = max(table.num_cached_blocks, num_full)
 
 
-def _as_token_ids(token_ids: Sequence[int], name: str, allow_empty: bool = False) -> list[int]:
-    """A list of non-negative Python ints (numpy ints and integer tensors' items accepted)."""
-    if isinstance(token_ids, torch.Tensor):
-        token_ids = token_ids.tolist()
-    out = []
-    for i, t in enumerate(token_ids):
-        try:
-            t = operator.index(t)
-        except TypeError:
-            raise ValueError(f"{name}[{i}] is {t!r}; token ids must be integers") from None
-        if t < 0:
-            raise ValueError(f"{name}[{i}] is {t}; token ids must be >= 0")
-        out.append(t)
-    if not out and not allow_empty:
-        raise ValueError(f"{name} is empty")
-    return out
+def _seq_id(seq) -> SeqId:
+    return seq.seq_id if isinstance(seq, Sequence) else seq

@@ -16,6 +16,7 @@ The cache does not choose blocks; the caller (the block manager, via AttentionMe
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 import torch
@@ -73,7 +74,6 @@ class PagedKVCache:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.backend = backend
-        self._checked: AttentionMetadata | None = None  # the metadata attend() last validated
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
@@ -132,27 +132,39 @@ class PagedKVCache:
         self.k[:, dst] = self.k[:, src]
         self.v[:, dst] = self.v[:, src]
 
-    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables."""
+    @property
+    def geometry(self) -> tuple:
+        """What a metadata is validated against: the pool's blocks, block size and device."""
+        return (self.num_blocks, self.block_size, str(self.k.device))
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Validate a step's metadata against this pool once, before any layer writes, and return it
+        on the pool's device, stamped as checked for this pool's geometry."""
         if meta.slot_mapping is None or meta.block_tables is None:
             missing = [n for n in ("slot_mapping", "block_tables") if getattr(meta, n) is None]
             raise ValueError(f"PagedKVCache needs AttentionMetadata.{' and '.join(missing)}")
-        device = self.k.device
-        tables = meta.block_tables.to(device)
-        seq_lens = meta.seq_lens.to(device)
-        starts = meta.query_start_loc.to(device)
+        if meta.checked_for == self.geometry:
+            return meta
+        meta = meta.to(self.k.device)
+        validate_block_tables(meta.block_tables, meta.seq_lens, self.num_blocks, self.block_size)
+        validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
+        return replace(meta, checked_for=self.geometry)
+
+    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables.
+
+        The model runner passes metadata from prepare(), checked once per step; anything else is
+        checked here, in every layer."""
         self._check_kv(layer, k, v)
-        if self._checked is not meta:  # every layer of a step shares one metadata: check it once
-            validate_block_tables(tables, seq_lens, self.num_blocks, self.block_size)  # before anything is written
-            validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
-            self._checked = meta
-        self._write(layer, k, v, meta.slot_mapping.to(device))
+        meta = self.prepare(meta)
+        self._write(layer, k, v, meta.slot_mapping)
         if self.backend == "triton":
             from radarlab.attention.triton_paged import triton_paged_attention
 
-            return triton_paged_attention(q, self.k[layer], self.v[layer], tables, seq_lens, starts, scale,
-                                          check=False)
-        return paged_attention_torch(q, self.k[layer], self.v[layer], tables, seq_lens, starts, scale, check=False)
+            return triton_paged_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
+                                          meta.query_start_loc, scale, check=False)
+        return paged_attention_torch(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, check=False)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

@@ -13,7 +13,7 @@ pairs that append_slots returned must be copied (PagedKVCache.copy_blocks) befor
 """
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable, Sequence as SequenceType
 
 import torch
 
@@ -21,56 +21,57 @@ from radarlab.attention.metadata import AttentionMetadata
 from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import check_prompts
 
-SeqId = Hashable
+def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num_computed_tokens: SequenceType[int],
+                   num_scheduled_tokens: SequenceType[int], device: str | torch.device | None = None
+                   ) -> AttentionMetadata:
+    """AttentionMetadata for computing tokens num_computed .. num_computed+num_scheduled-1 of each sequence,
+    built once per step and moved to `device` once, so no layer copies or re-checks it.
 
-
-def paged_metadata(manager: BlockSpaceManager, seq_ids: Sequence[SeqId], num_computed_tokens: Sequence[int],
-                   num_scheduled_tokens: Sequence[int]) -> AttentionMetadata:
-    """AttentionMetadata for computing tokens num_computed .. num_computed+num_scheduled-1 of each sequence.
-
-    seq_lens (the context each query attends to) is num_computed + num_scheduled: slots reserved
-    past that point (a prompt prefilled in chunks) are neither read nor written in this step.
+    seq_lens (the context each query attends to) is num_computed + num_scheduled: the step reads and
+    writes no position past that.
     """
-    if not len(seq_ids) == len(num_computed_tokens) == len(num_scheduled_tokens):
-        raise ValueError(f"seq_ids, num_computed_tokens and num_scheduled_tokens differ in length: "
-                         f"{len(seq_ids)}, {len(num_computed_tokens)}, {len(num_scheduled_tokens)}")
-    if not seq_ids:
-        raise ValueError("seq_ids is empty: a step needs at least one sequence")
-    for s, done, n in zip(seq_ids, num_computed_tokens, num_scheduled_tokens):
-        total = manager.num_tokens(s)  # KeyError for an unknown sequence
+    if not len(seqs) == len(num_computed_tokens) == len(num_scheduled_tokens):
+        raise ValueError(f"seqs, num_computed_tokens and num_scheduled_tokens differ in length: "
+                         f"{len(seqs)}, {len(num_computed_tokens)}, {len(num_scheduled_tokens)}")
+    if not seqs:
+        raise ValueError("seqs is empty: a step needs at least one sequence")
+    for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens):
+        total = manager.num_slots(s)  # KeyError for an unknown sequence
         if n < 1:
-            raise ValueError(f"sequence {s!r}: num_scheduled_tokens must be >= 1, got {n}")
+            raise ValueError(f"sequence {s.seq_id!r}: num_scheduled_tokens must be >= 1, got {n}")
         if done < 0 or done + n > total:
-            raise ValueError(f"sequence {s!r}: tokens {done}..{done + n - 1} are scheduled but only {total} "
+            raise ValueError(f"sequence {s.seq_id!r}: tokens {done}..{done + n - 1} are scheduled but only {total} "
                              f"have slots (num_computed_tokens={done}, num_scheduled_tokens={n})")
     seq_lens = [done + n for done, n in zip(num_computed_tokens, num_scheduled_tokens)]
-    slot_mapping = manager.slot_mapping_tensor(seq_ids, num_computed_tokens, num_scheduled_tokens)
+    slot_mapping = manager.slot_mapping_tensor(seqs, num_computed_tokens, num_scheduled_tokens)
     width = max(cdiv(length, manager.block_size) for length in seq_lens)
-    block_tables = manager.block_table_tensor(seq_ids)[:, :width]  # only the blocks this step reads
-    return AttentionMetadata.from_lens(list(num_scheduled_tokens), seq_lens, slot_mapping=slot_mapping,
+    block_tables = manager.block_table_tensor(seqs)[:, :width]  # only the blocks this step reads
+    meta = AttentionMetadata.from_lens(list(num_scheduled_tokens), seq_lens, slot_mapping=slot_mapping,
                                        block_tables=block_tables)
+    return meta if device is None else meta.to(device)
 
 
 @torch.inference_mode()
-def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seq_ids: Sequence[SeqId],
-               num_computed_tokens: Sequence[int], num_scheduled_tokens: Sequence[int] | None = None
+def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: SequenceType[Sequence],
+               num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None
                ) -> torch.Tensor:
-    """One packed forward pass; returns logits [len(seq_ids), vocab] after each sequence's last
-    scheduled token. num_scheduled_tokens defaults to every token not yet computed (a whole
-    prefill, or the one new token of a decode step)."""
+    """One packed forward pass; returns logits [len(seqs), vocab] after each sequence's last
+    scheduled token. num_scheduled_tokens defaults to every token with a slot not yet computed (a
+    whole prefill, or the one new token of a decode step). Token ids come from the sequences."""
     if num_scheduled_tokens is None:
-        num_scheduled_tokens = [manager.num_tokens(s) - done for s, done in zip(seq_ids, num_computed_tokens)]
-    meta = paged_metadata(manager, seq_ids, num_computed_tokens, num_scheduled_tokens)
+        num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
     device = cache.k.device
-    ids = [t for s, done, n in zip(seq_ids, num_computed_tokens, num_scheduled_tokens)
-           for t in manager.block_tables[s].token_ids[done:done + n]]
-    last = (meta.query_start_loc[1:] - 1).to(device)
-    return model(torch.tensor(ids, device=device), meta.positions.to(device), cache, meta, logits_indices=last)
+    meta = cache.prepare(paged_metadata(manager, seqs, num_computed_tokens, num_scheduled_tokens, device))
+    ids = [t for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens)
+           for t in s.all_token_ids[done:done + n]]
+    last = meta.query_start_loc[1:] - 1
+    return model(torch.tensor(ids, device=device), meta.positions, cache, meta, logits_indices=last)
 
 
-def blocks_needed(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_size: int) -> int:
+def blocks_needed(prompts: SequenceType[SequenceType[int]], max_new_tokens: int, block_size: int) -> int:
     """Blocks that hold every prompt and its new tokens with no sharing: a pool that never runs out."""
     return sum(cdiv(len(p) + max_new_tokens, block_size) for p in prompts)
 
@@ -79,15 +80,15 @@ def blocks_needed(prompts: Sequence[Sequence[int]], max_new_tokens: int, block_s
 def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *,
                           manager: BlockSpaceManager | None = None, cache: PagedKVCache | None = None,
                           block_size: int = 16, enable_prefix_caching: bool = True, backend: str = "torch",
-                          eos_token_id: int | None = None, seq_ids: Sequence[SeqId] | None = None,
+                          eos_token_id: int | None = None, seq_ids: SequenceType[Hashable] | None = None,
                           free_finished: bool = True) -> list[list[int]]:
     """greedy_generate on the paged cache: same arguments, same result (new tokens per prompt).
 
-    All prompts are allocated first (prefix-cache hits skip their cached blocks), prefilled in one
-    packed step, then decoded together, one append_slots per token. Pass manager and cache to keep
-    them across calls (a later call then hits the blocks this one cached); by default both are made
-    to fit. Finished sequences are freed unless free_finished is False. There is no scheduler here:
-    a pool too small raises NoFreeBlocks (notebook 05's engine preempts instead).
+    Each prompt becomes a Sequence; all are allocated first (prefix-cache hits skip their cached
+    blocks), prefilled in one packed step, then decoded together, one append_slots per token. Pass
+    manager and cache to keep them across calls (a later call then hits the blocks this one cached);
+    by default both are made to fit. Finished sequences are freed unless free_finished is False. There
+    is no scheduler here: a pool too small raises NoFreeBlocks (notebook 05's engine preempts instead).
     """
     cfg = model.config
     check_prompts(prompts, max_new_tokens, cfg.max_position_embeddings)
@@ -106,19 +107,19 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
     if len(seq_ids) != len(prompts) or len(set(seq_ids)) != len(seq_ids):
         raise ValueError(f"seq_ids must be {len(prompts)} distinct ids, one per prompt; got {seq_ids}")
 
-    computed = {s: manager.allocate(s, p) for s, p in zip(seq_ids, prompts)}
-    outputs: dict[SeqId, list[int]] = {s: [] for s in seq_ids}
-    active = list(seq_ids)
+    seqs = [Sequence(s, p, manager.block_size) for s, p in zip(seq_ids, prompts)]
+    computed = {s.seq_id: manager.allocate(s) for s in seqs}
+    active = seqs
     while active:
-        logits = paged_step(model, cache, manager, active, [computed[s] for s in active])
+        logits = paged_step(model, cache, manager, active, [computed[s.seq_id] for s in active])
         still = []
         for s, tok in zip(active, logits.argmax(-1).tolist()):
-            computed[s] = manager.num_tokens(s)
-            outputs[s].append(tok)
-            if len(outputs[s]) < max_new_tokens and tok != eos_token_id:
-                cache.copy_blocks(manager.append_slots(s, [tok]))
+            computed[s.seq_id] = s.num_tokens
+            s.append_token_ids([tok])
+            if s.num_output_tokens < max_new_tokens and tok != eos_token_id:
+                cache.copy_blocks(manager.append_slots(s, 1))
                 still.append(s)
             elif free_finished:
                 manager.free(s)
         active = still
-    return [outputs[s] for s in seq_ids]
+    return [list(s.output_token_ids) for s in seqs]

@@ -215,9 +215,9 @@ class _RecordingBlockSpaceManager(BlockSpaceManager):
         super().__init__(*args, **kwargs)
         self.num_cached_tokens: dict = {}
 
-    def allocate(self, seq_id, prompt_token_ids) -> int:
-        num = super().allocate(seq_id, prompt_token_ids)
-        self.num_cached_tokens[seq_id] = num
+    def allocate(self, seq, num_new_tokens=None) -> int:
+        num = super().allocate(seq, num_new_tokens)
+        self.num_cached_tokens[seq.seq_id] = num
         return num
 
 

@@ -1,8 +1,8 @@
 """Pictures of the paged KV cache: a block manager's state as data, and that data drawn with matplotlib.
 
 Three steps, each callable without a browser (the widget in widgets.py only strings them together):
-- apply_op(manager, op): one scripted operation (allocate, append, fork, free) and what it did;
-- pool_snapshot(manager): the block tables and every physical block (holders, ref count, fill,
+- apply_op(state, op): one scripted operation (allocate, append, fork, free) and what it did;
+- pool_snapshot(state): the block tables and every physical block (holders, ref count, fill,
   cached or not) as plain data;
 - draw_pool(snapshot, ax): the block tables on top, the physical pool below, a line from each
   table entry to the block it names, and an arrow for each copy-on-write.
@@ -14,6 +14,7 @@ from typing import Hashable, NamedTuple, Sequence
 
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.sequence import Sequence as TokenSequence
 
 SeqId = Hashable
 OPS = ("allocate", "append", "fork", "free")
@@ -49,6 +50,13 @@ DEFAULT_POOL = dict(num_blocks=10, block_size=4)
 
 
 @dataclass
+class PoolState:
+    """A block manager and the sequences it serves: the manager owns blocks, each sequence its tokens."""
+    manager: BlockSpaceManager
+    seqs: dict = field(default_factory=dict)
+
+
+@dataclass
 class OpResult:
     """What one operation did: a sentence for the caption, copy-on-write pairs, prefix-cache hits."""
     description: str
@@ -57,36 +65,45 @@ class OpResult:
     failed: bool = False
 
 
-def apply_op(manager: BlockSpaceManager, op: PoolOp) -> OpResult:
+def apply_op(state: PoolState, op: PoolOp) -> OpResult:
     """Run one scripted operation. Running out of blocks is reported, not raised: it is part of the
     story (the manager changes nothing, and a scheduler would wait or preempt)."""
     name, seq, arg = op
     if name not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {name!r}")
+    manager = state.manager
     try:
         if name == "allocate":
             prompt = list(arg)
-            hit = manager.allocate(seq, prompt)
+            sequence = TokenSequence(seq, prompt, manager.block_size)
+            hit = manager.allocate(sequence)
+            state.seqs[seq] = sequence
             table = manager.get_block_table(seq)
-            text = f"allocate {seq}: a {len(prompt)}-token prompt gets blocks {table}"
+            text = f"allocate {seq}: {_a_or_an(len(prompt))} {len(prompt)}-token prompt gets blocks {table}"
             if hit:
                 text += f"; the first {hit} tokens are a prefix-cache hit (blocks {table[:hit // manager.block_size]} shared)"
             return OpResult(text, num_computed_tokens=hit)
         if name == "append":
             new = list(arg)
-            before = manager.num_tokens(seq)
-            copies = manager.append_slots(seq, new)
+            sequence = state.seqs[seq]
+            before = sequence.num_tokens
+            if not manager.can_append_slots(sequence, len(new)):
+                raise NoFreeBlocks(f"{len(new)} more tokens need a block and none is free")
+            sequence.append_token_ids(new)
+            copies = manager.append_slots(sequence, len(new))
             table = manager.get_block_table(seq)
             text = f"append {len(new)} token{'s' * (len(new) != 1)} to {seq}: {before} -> {before + len(new)} tokens, blocks {table}"
             for src, dst in copies:
                 text += f"; block {src} was shared, so {seq} writes into a copy, block {dst} (copy-on-write)"
             return OpResult(text, copies=copies)
         if name == "fork":
-            manager.fork(seq, arg)
+            child = TokenSequence(arg, state.seqs[seq].all_token_ids[:], manager.block_size)
+            manager.fork(state.seqs[seq], child)
+            state.seqs[arg] = child
             return OpResult(f"fork {seq} -> {arg}: {arg} shares all of {seq}'s blocks {manager.get_block_table(arg)}, "
                             f"nothing is copied (every ref count +1)")
         table = manager.get_block_table(seq)
-        manager.free(seq)
+        manager.free(state.seqs.pop(seq))
         return OpResult(f"free {seq}: each of its blocks {table} loses one reference; blocks at 0 are free "
                         f"(full ones stay cached until evicted)")
     except NoFreeBlocks as err:
@@ -94,13 +111,22 @@ def apply_op(manager: BlockSpaceManager, op: PoolOp) -> OpResult:
 
 
 def run_pool_script(script: Sequence[PoolOp], num_blocks: int, block_size: int, steps: int | None = None,
-                    enable_prefix_caching: bool = True) -> tuple[BlockSpaceManager, OpResult | None]:
-    """A fresh manager after the first `steps` operations of script (all by default), and the last result."""
-    manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
+                    enable_prefix_caching: bool = True) -> tuple[PoolState, OpResult | None]:
+    """A fresh pool after the first `steps` operations of script (all by default), and the last result."""
+    state = PoolState(BlockSpaceManager(num_blocks, block_size, enable_prefix_caching))
     result = None
     for op in script[:len(script) if steps is None else steps]:
-        result = apply_op(manager, op)
-    return manager, result
+        result = apply_op(state, op)
+    return state, result
+
+
+def _a_or_an(number: int) -> str:
+    """The article before a number read aloud: "an 8-token", "an 11-token", "an 18-token", "a 6-token".
+    Spoken numbers start with a vowel when they start with "eight", or with "eleven" or "eighteen" as
+    their leading group of thousands (11, 11,000, ...)."""
+    digits = str(number)
+    vowel = digits[0] == "8" or (len(digits) % 3 == 2 and digits[:2] in ("11", "18"))
+    return "an" if vowel else "a"
 
 
 @dataclass
@@ -132,8 +158,9 @@ class PoolSnapshot:
         return sum(b.ref_count > 0 for b in self.blocks)
 
 
-def pool_snapshot(manager: BlockSpaceManager, copies: Sequence[tuple[int, int]] = (), caption: str = "") -> PoolSnapshot:
-    """The manager's state as plain data (nothing in it refers back to the manager)."""
+def pool_snapshot(state: PoolState, copies: Sequence[tuple[int, int]] = (), caption: str = "") -> PoolSnapshot:
+    """The pool's state as plain data (nothing in it refers back to the manager or the sequences)."""
+    manager = state.manager
     alloc = manager.allocator
     bs = manager.block_size
     holders: dict[int, list] = {}
@@ -141,7 +168,8 @@ def pool_snapshot(manager: BlockSpaceManager, copies: Sequence[tuple[int, int]] 
     for seq, table in manager.block_tables.items():
         for i, block_id in enumerate(table.block_ids):
             holders.setdefault(block_id, []).append(seq)
-            tokens[block_id] = max(tokens.get(block_id, ()), tuple(table.token_ids[i * bs:(i + 1) * bs]), key=len)
+            written = state.seqs[seq].all_token_ids[i * bs:min((i + 1) * bs, table.num_slots)]
+            tokens[block_id] = max(tokens.get(block_id, ()), tuple(written), key=len)
     evictable = list(alloc.evictable)
     blocks = []
     for b in range(manager.num_blocks):
@@ -155,7 +183,7 @@ def pool_snapshot(manager: BlockSpaceManager, copies: Sequence[tuple[int, int]] 
         blocks.append(BlockView(b, ref, tuple(holders.get(b, ())), tokens.get(b, ()), filled, state))
     return PoolSnapshot(manager.num_blocks, bs,
                         {s: list(t.block_ids) for s, t in manager.block_tables.items()},
-                        {s: t.num_tokens for s, t in manager.block_tables.items()},
+                        {s: t.num_slots for s, t in manager.block_tables.items()},
                         blocks, list(alloc.free_block_ids), evictable, list(copies), caption)
 
 

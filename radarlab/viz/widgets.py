@@ -99,7 +99,7 @@ class BlockPoolStepper(widgets.VBox):
         from radarlab.viz.pool import pool_snapshot, run_pool_script
 
         position = max(0, min(position, len(self.script)))
-        self.manager, result = run_pool_script(self.script, self.num_blocks, self.block_size, position,
+        self.state, result = run_pool_script(self.script, self.num_blocks, self.block_size, position,
                                                self.enable_prefix_caching)
         if result is None:
             text = (f"an empty pool of {self.num_blocks} blocks x {self.block_size} slots; "
@@ -107,7 +107,7 @@ class BlockPoolStepper(widgets.VBox):
         else:
             text = result.description
         self.position = position
-        self.snapshot = pool_snapshot(self.manager, result.copies if result else (), text)
+        self.snapshot = pool_snapshot(self.state, result.copies if result else (), text)
         self.caption.value = f"<b>step {position}/{len(self.script)}</b>: {html.escape(text)}"
         self.back_button.disabled = position == 0
         self.next_button.disabled = position == len(self.script)
