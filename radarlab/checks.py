@@ -211,10 +211,12 @@ def check_reservation_utilisation(reservation_utilisation) -> bool:
     paged): the fraction of reserved positions that hold tokens, for a snapshot of running requests."""
     import math
 
+    from radarlab.util import cdiv
+
     name = "reservation_utilisation"
 
     def want(lens, max_len, bs):
-        return sum(lens) / (len(lens) * max_len), sum(lens) / sum(-(-n // bs) * bs for n in lens)
+        return sum(lens) / (len(lens) * max_len), sum(lens) / sum(cdiv(n, bs) * bs for n in lens)
 
     cases = [  # (description, context_lens, max_model_len, block_size)
         ("context_lens=[3, 5], max_model_len=8, block_size=4", [3, 5], 8, 4),

@@ -10,7 +10,7 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    MemoryBenchConfig, contiguous, paged, report, run, simulate,
+    MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate,
 )
 from radarlab.bench.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
@@ -210,3 +210,15 @@ def test_simulate_rejects_requests_that_cannot_run():
         contiguous(7, 8)
     with pytest.raises(ValueError, match="max_model_len must be a power of two"):
         contiguous(64, 24)
+
+
+def test_chunked_prompt_blocks_follow_the_chunks():
+    """A 100-token prompt, 32 tokens a step, blocks of 16: the Scheduler holds 2, 4, 6, 7 blocks after
+    its four chunks, and every held block but the partial last one is written; reserving the whole
+    prompt holds 7 from the first step."""
+    got = chunked_prompt_blocks(100, 32, 16)
+    assert got["computed_tokens"] == [32, 64, 96, 100]
+    assert got["held_scheduled_only"] == [2, 4, 6, 7] == got["written"]
+    assert got["held_whole_prompt"] == [7, 7, 7, 7]
+    with pytest.raises(ValueError, match="prompt_len must be a positive int"):
+        chunked_prompt_blocks(0, 32, 16)

@@ -41,7 +41,7 @@ from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.params import SamplingParams
 from radarlab.engine.scheduler import Scheduler
 from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.util import require_int, require_power_of_two
+from radarlab.util import cdiv, require_int, require_power_of_two
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
 DEFAULT_BUDGET_TOKENS = 16 * 2048  # 16 contiguous rows of the default max_model_len
@@ -217,6 +217,26 @@ def _record(result: SimResult, manager: BlockSpaceManager, scheduler: Scheduler,
     result.computed.append(num_computed)
 
 
+def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int, block_size: int) -> dict[str, list[int]]:
+    """What a lone prompt prefilled in chunks holds after each step, in blocks: reserved for the whole
+    prompt at admission (vLLM v0's BlockSpaceManager, and this course's before it followed v1), against
+    reserved for the tokens scheduled so far (vLLM v1's allocate_slots, run here by the real Scheduler).
+    "written" counts the blocks that hold computed K/V; the rest of what a policy holds sits unwritten.
+    """
+    prompt_len = require_int("prompt_len", prompt_len)
+    manager = BlockSpaceManager(cdiv(prompt_len, block_size), block_size, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, 1, max_num_batched_tokens, max_model_len=prompt_len + 1)
+    request = Request(0, [0] * prompt_len, SamplingParams(max_tokens=1))
+    scheduler.add_request(request)
+    computed, held = [], []
+    while request.num_computed_tokens < prompt_len:
+        scheduler.update(scheduler.schedule())
+        computed.append(request.num_computed_tokens)
+        held.append(len(manager.get_block_table(request)))
+    return {"computed_tokens": computed, "written": [cdiv(c, block_size) for c in computed],
+            "held_scheduled_only": held, "held_whole_prompt": [cdiv(prompt_len, block_size)] * len(computed)}
+
+
 @dataclass(frozen=True)
 class MemoryBenchConfig:
     workload: WorkloadSpec = WorkloadSpec()
@@ -235,9 +255,8 @@ class MemoryBenchConfig:
         if self.budget_tokens < self.workload.max_model_len:
             raise ValueError(f"budget_tokens ({self.budget_tokens}) must hold at least one request of max_model_len "
                              f"({self.workload.max_model_len}) positions (vLLM refuses to start otherwise)")
-        if self.workload.max_model_len & (self.workload.max_model_len - 1):
-            raise ValueError(f"max_model_len must be a power of two here (the contiguous row is one block of that "
-                             f"many positions), got {self.workload.max_model_len}")
+        require_power_of_two("max_model_len (the contiguous row is one block of that many positions)",
+                             self.workload.max_model_len)
 
     @property
     def reservations(self) -> list[Reservation]:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from radarlab.util import is_int, require_int, require_number
+
 
 @dataclass(frozen=True)
 class WorkloadRequest:
@@ -51,23 +53,14 @@ class WorkloadSpec:
     output_sigma: float = 0.8
 
     def __post_init__(self) -> None:
-        _check_int("num_requests", self.num_requests, 1)
-        _check_int("seed", self.seed, 0)
-        _check_int("max_model_len", self.max_model_len, 2)  # room for a 1-token prompt and 1 output token
+        require_int("num_requests", self.num_requests)
+        require_int("seed", self.seed, 0)
+        require_int("max_model_len", self.max_model_len, 2)  # room for a 1-token prompt and 1 output token
         for name in ("prompt_mean", "prompt_sigma", "output_mean", "output_sigma"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive number, got {value!r}")
+            require_number(name, getattr(self, name), positive=True)
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def _check_int(name: str, value, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
 
 
 def lognormal_lengths(rng: np.random.Generator, n: int, mean: float, sigma: float) -> np.ndarray:
@@ -107,11 +100,10 @@ def random_token_prompts(num_prompts: int, vocab_size: int, len_range: tuple[int
     """Prompts of random token ids, lengths uniform in len_range (inclusive), seeded. Random ids
     make every prompt distinct (no prefix-cache hits) and every system do the same work. The first
     k prompts of a call do not depend on num_prompts, so a smaller batch is a prefix of a larger one."""
-    _check_int("num_prompts", num_prompts, 1)
-    _check_int("vocab_size", vocab_size, 1)
+    require_int("num_prompts", num_prompts)
+    require_int("vocab_size", vocab_size)
     lo, hi = len_range
-    if isinstance(lo, bool) or isinstance(hi, bool) or not (isinstance(lo, int) and isinstance(hi, int)) \
-            or not 1 <= lo <= hi:
+    if not (is_int(lo) and is_int(hi)) or not 1 <= lo <= hi:
         raise ValueError(f"len_range must be ints with 1 <= lo <= hi, got {len_range!r}")
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(num_prompts)]

@@ -22,6 +22,7 @@ from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
+from radarlab.util import require_int
 
 
 @dataclass
@@ -49,10 +50,7 @@ class Engine:
         cfg = model.config
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
-        if isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or not \
-                0 < max_model_len <= cfg.max_position_embeddings:
-            raise ValueError(f"max_model_len must be in 1..{cfg.max_position_embeddings} (the model's context), "
-                             f"got {max_model_len!r}")
+        require_int("max_model_len (at most the model's context)", max_model_len, 1, cfg.max_position_embeddings)
         param = next(model.parameters())
         self.model = model
         self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)

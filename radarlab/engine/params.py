@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from radarlab.util import require_int
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,22 +24,18 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive int, got {self.max_tokens!r}")
+        require_int("max_tokens", self.max_tokens)
         if not self.temperature >= 0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an int >= -1 (0 or -1 mean all tokens), got {self.top_k!r}")
-        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an int >= 1, got {self.n!r}")
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        require_int("top_k (0 or -1 mean all tokens)", self.top_k, -1)
+        require_int("n", self.n)
+        if self.seed is not None:
+            require_int("seed", self.seed, None)
         stops = tuple(self.stop_token_ids)
         for t in stops:
-            if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative ints, got {t!r}")
+            require_int("stop_token_ids", t, 0)
         object.__setattr__(self, "stop_token_ids", stops)
 
     @property

@@ -23,6 +23,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
+from radarlab.util import is_int, require_int, require_power_of_two
+
 BlockHash = bytes
 
 # The parent of a sequence's first block. Any fixed value works; it just has to differ from a hash.
@@ -94,11 +96,8 @@ class BlockAllocator:
     """Free list, reference counts and the prefix cache over block ids 0 .. num_blocks-1."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-                or block_size & (block_size - 1)):
-            raise ValueError(f"block_size must be a power of two >= 1 (1, 2, 4, ..., 16, ...), got {block_size!r}")
+        require_int("num_blocks", num_blocks)
+        require_power_of_two("block_size", block_size)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -241,7 +240,7 @@ class BlockAllocator:
             self.block_hashes[block_id] = None
 
     def _check_id(self, block_id: int) -> None:
-        if isinstance(block_id, bool) or not isinstance(block_id, int) or not 0 <= block_id < self.num_blocks:
+        if not is_int(block_id) or not 0 <= block_id < self.num_blocks:
             raise ValueError(f"block id {block_id!r} is outside the pool (valid ids: 0..{self.num_blocks - 1})")
 
     def __repr__(self) -> str:

@@ -24,7 +24,7 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.util import require_power_of_two
+from radarlab.util import require_int, require_power_of_two
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     """The KV write in torch: token t's k[t], v[t] ([kv_heads, D]) go to slot_mapping[t], -1 skipped.
@@ -63,8 +63,7 @@ class PagedKVCache:
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            require_int(name, value)
         require_power_of_two("block_size", block_size)
         if backend not in self.BACKENDS:
             raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")

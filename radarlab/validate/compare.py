@@ -16,6 +16,7 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
+from radarlab.util import is_int, require_int
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def _check_tokens(tokens, name: str) -> list[int]:
         raise TypeError(f"{name} must be a sequence of token ids, got {type(tokens).__name__}")
     out = []
     for i, t in enumerate(tokens):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+        if not is_int(t) or t < 0:
             raise ValueError(f"{name}[{i}] must be a non-negative integer token id, got {t!r}")
         out.append(t)
     return out
@@ -74,8 +75,8 @@ def compare_greedy(tokens_a, logprobs_a, tokens_b, logprobs_b, k: int | None = N
     sampled token as a (k+1)-th); None uses every entry given. As in vLLM, when one sequence is a
     prefix of the other (e.g. one stopped at EOS), the shared part decides.
     """
-    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k <= 0):
-        raise ValueError(f"k must be a positive integer or None, got {k!r}")
+    if k is not None:
+        require_int("k", k)
     a, b = _check_tokens(tokens_a, "tokens_a"), _check_tokens(tokens_b, "tokens_b")
     n = min(len(a), len(b))
     matched = next((i for i in range(n) if a[i] != b[i]), n)
@@ -131,8 +132,7 @@ def topk_logprobs(model, prompt_ids, continuation_ids, k: int) -> list[dict[int,
     cont = _check_tokens(continuation_ids, "continuation_ids")
     if not prompt:
         raise ValueError("prompt_ids is empty; the first continuation token needs a context")
-    if isinstance(k, bool) or not isinstance(k, int) or not 0 < k <= cfg.vocab_size:
-        raise ValueError(f"k must be an integer in 1..{cfg.vocab_size}, got {k!r}")
+    require_int("k", k, 1, cfg.vocab_size)
     bad = [t for t in prompt + cont if t >= cfg.vocab_size]
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {cfg.vocab_size})")
