@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from radarlab.attention.torch_paged import paged_decode_torch
-from radarlab.util import cdiv, require_power_of_two
+from radarlab.util import cdiv, require_int, require_power_of_two
 from radarlab.attention.reference import attention_reference
 
 
@@ -118,8 +118,7 @@ def _check_decode_shape(seq_lens, num_heads, num_kv_heads, head_dim) -> list[int
     if not seq_lens or min(seq_lens) < 1:
         raise ValueError(f"seq_lens must be a non-empty list of lengths >= 1, got {seq_lens}")
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        require_int(name, value)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     return seq_lens
@@ -163,9 +162,8 @@ def time_ms(fn: Callable[[], object], device: str | torch.device = "cpu", repeat
         from triton.testing import do_bench
 
         return float(do_bench(fn, return_mode="median"))
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    for _ in range(warmup):
+    repeats = require_int("repeats", repeats)
+    for _ in range(require_int("warmup", warmup, minimum=0)):
         fn()
     times = []
     for _ in range(repeats):

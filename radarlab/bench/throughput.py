@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from radarlab.bench.workload import random_token_prompts
+from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
@@ -48,26 +49,20 @@ class ThroughputConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            require_int(name, getattr(self, name))
+        require_int("seed", self.seed, minimum=0)
         if self.min_prompt_len > self.max_prompt_len:
             raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above max_prompt_len ({self.max_prompt_len})")
         if not self.batch_sizes:
             raise ValueError("batch_sizes is empty")
         for b in self.batch_sizes:
-            _check_positive_int("batch_sizes", b)
+            require_int("batch_sizes", b)
         for name, values, allowed in [("dtypes", self.dtypes, DTYPES), ("systems", self.systems, SYSTEMS)]:
             if not values:
                 raise ValueError(f"{name} is empty")
             bad = [v for v in values if v not in allowed]
             if bad or len(set(values)) != len(values):
                 raise ValueError(f"{name} must be distinct values from {allowed}, got {list(values)}")
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass

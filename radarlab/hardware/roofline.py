@@ -21,7 +21,8 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from radarlab.kvcache.memory import _positive_int, kv_bytes_per_token
+from radarlab.kvcache.memory import kv_bytes_per_token
+from radarlab.util import require_int
 
 _WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
@@ -41,7 +42,7 @@ class TransformerDims:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
-            _positive_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
 
@@ -107,14 +108,14 @@ class DecodeStep:
 
 def flops_per_token(dims: TransformerDims, context: int) -> float:
     """2 FLOPs per weight (multiply-add) plus attention's QK^T and PV over the context."""
-    attention = 4 * dims.layers * dims.heads * dims.head_dim * _positive_int("context", context)
+    attention = 4 * dims.layers * dims.heads * dims.head_dim * require_int("context", context)
     return 2 * dims.matmul_params + attention
 
 
 def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: str = "bf16",
                 kv_dtype: str = "bf16", group_size: int = 128) -> DecodeStep:
     """Cost of one decode step: weights read once per step, each sequence's KV read once."""
-    batch = _positive_int("batch", batch)
+    batch = require_int("batch", batch)
     if weight_dtype not in _WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_BYTES)}, got {weight_dtype!r}")
     if kv_dtype == "fp32":  # the calculator stops at 16 bits; an fp32 cache is twice fp16
@@ -166,7 +167,7 @@ def cpu_threads(n: int | None):
 
     before = torch.get_num_threads()
     if n is not None:
-        torch.set_num_threads(_positive_int("threads", n))
+        torch.set_num_threads(require_int("threads", n))
     try:
         yield
     finally:
@@ -237,8 +238,8 @@ def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmu
     from radarlab.attention.metadata import AttentionMetadata
     from radarlab.kvcache.contiguous import ContiguousKVCache
 
-    context = _positive_int("context", context)
-    steps = _positive_int("steps", steps)
+    context = require_int("context", context)
+    steps = require_int("steps", steps)
     cfg = model.config
     param = next(model.parameters())
     gen = torch.Generator().manual_seed(seed)
@@ -248,7 +249,7 @@ def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmu
         for batch in batch_sizes:
             if budget_s is not None and results and time.perf_counter() - started > budget_s:
                 break
-            batch = _positive_int("batch", batch)
+            batch = require_int("batch", batch)
             cache = ContiguousKVCache.for_model(cfg, batch, context + warmup + steps, dtype=param.dtype,
                                                 device=param.device)
             rows = torch.arange(batch)
