@@ -1,4 +1,4 @@
-"""radarlab.attention.bench: random paged batches, the bytes and FLOPs of a decode step, and the timer.
+"""radarlab.attention.bench: random paged batches, the bytes and FLOPs of a decode step, and the bandwidth sweep.
 
 The arithmetic is checked by hand-worked numbers and by counting the bytes of real tensors; the
 bandwidth sweep runs here on tiny shapes (under Triton's interpreter on CPU), so the code a GPU runs
@@ -12,11 +12,10 @@ import pytest
 import torch
 
 from radarlab.attention.bench import (
-    DecodeBandwidth, decode_bytes, decode_flops, measure_decode_bandwidth, peak_bandwidth_gbps,
-    random_paged_batch, time_ms,
+    DecodeBandwidth, decode_bytes, decode_flops, measure_decode_bandwidth, random_paged_batch,
 )
-from radarlab.util import cdiv
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.util import cdiv
 
 
 def test_decode_bytes_by_hand():
@@ -86,18 +85,6 @@ def test_random_paged_batch_rejects_bad_lengths():
         random_paged_batch([4, 2], [1])
     with pytest.raises(ValueError, match="block_size"):
         random_paged_batch([4], block_size=3)
-
-
-def test_time_ms_is_the_median_after_warmup():
-    calls = []
-    ms = time_ms(lambda: calls.append(1), "cpu", repeats=5, warmup=2)
-    assert len(calls) == 7 and 0 <= ms < 100
-    with pytest.raises(ValueError, match="repeats"):
-        time_ms(lambda: None, "cpu", repeats=0)
-
-
-def test_no_peak_bandwidth_off_cuda():
-    assert peak_bandwidth_gbps("cpu") is None
 
 
 def test_bandwidth_is_bytes_over_time():

@@ -1,5 +1,5 @@
 """Inputs and measurements for the paged-attention kernels: random paged batches, what a decode step
-must move, and a timer.
+must move, and the decode bandwidth sweep.
 
 Decode is memory-bound: per context token and KV head it reads 2 x head_dim values (K and V) and does
 4 x group x head_dim FLOPs with them (q.k and p.v for each of the group's query heads), about
@@ -10,19 +10,20 @@ move divided by its time, next to the memory's peak (a bandwidth roofline).
 random_paged_batch builds inputs the way the tests do: each sequence's K/V scattered through a
 shuffled block table into a pool whose unused slots hold NaN, so a kernel that reads a slot it should
 not returns NaN instead of a plausible number.
+
+Timing is radarlab.hardware.measure's time_ms (do_bench on CUDA).
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from radarlab.attention.torch_paged import paged_decode_torch
-from radarlab.util import cdiv, require_int, require_power_of_two
 from radarlab.attention.reference import attention_reference
+from radarlab.attention.torch_paged import paged_decode_torch
+from radarlab.hardware.measure import time_ms
+from radarlab.util import cdiv, require_int, require_power_of_two
 
 
 @dataclass
@@ -148,52 +149,7 @@ def decode_flops(seq_lens: Sequence[int], num_heads: int, num_kv_heads: int, hea
 
 
 # --------------------------------------------------------------------------------------------------
-# Timing
-
-def time_ms(fn: Callable[[], object], device: str | torch.device = "cpu", repeats: int = 5,
-            warmup: int = 1) -> float:
-    """Median milliseconds of one call of fn.
-
-    On CUDA this is triton.testing.do_bench: it flushes L2 before each run and repeats for ~100 ms,
-    so a kernel is timed reading from memory, not from cache. Elsewhere, the median wall time of
-    `repeats` calls after `warmup` calls (under Triton's interpreter that measures the interpreter).
-    """
-    if str(device).startswith("cuda"):
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, return_mode="median"))
-    repeats = require_int("repeats", repeats)
-    for _ in range(require_int("warmup", warmup, minimum=0)):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000.0 * statistics.median(times)
-
-
-def peak_bandwidth_gbps(device: str | torch.device = "cuda") -> float | None:
-    """The GPU memory's theoretical peak in GB/s (memory clock x bus width x 2 for double data rate),
-    as triton.testing.get_dram_gbps reads it from the driver. None off CUDA or if the driver won't say."""
-    if not str(device).startswith("cuda") or not torch.cuda.is_available():
-        return None
-    try:
-        from triton.testing import get_dram_gbps
-
-        index = torch.device(device).index
-        return float(get_dram_gbps(torch.cuda.current_device() if index is None else index))
-    except Exception:  # an old driver or a non-NVIDIA backend: the measured read line still stands
-        return None
-
-
-def read_bandwidth_gbps(device: str | torch.device = "cuda", megabytes: int = 1024) -> float:
-    """Achieved bandwidth of torch summing a large fp32 tensor: what a plain streaming read reaches,
-    the practical ceiling next to the theoretical peak."""
-    x = torch.ones(megabytes * 2**20 // 4, device=device)
-    ms = time_ms(lambda: x.sum(), device)
-    return x.nbytes / ms / 1e6
-
+# Decode against the bandwidth roofline
 
 @dataclass(frozen=True)
 class DecodeBandwidth:
