@@ -27,9 +27,6 @@ from radarlab.util import require_int
 SYSTEMS = ("radarlab", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
 
-# Measured on the machine that wrote ENVIRONMENT.md (bf16, output tokens/s), before this benchmark
-# existed. Shown beside ours; a different CPU gives different numbers.
-REFERENCE_BF16 = {"vllm": {1: 26.7, 16: 315.0, 64: 610.0}, "transformers": {1: 18.9, 16: 172.0, 64: 303.0}}
 GOAL = "radarlab >= transformers at every batch size, and >= 0.8x vLLM at batch 64 (1.0x the stretch)"
 GOAL_VLLM_RATIO = 0.8
 
@@ -261,7 +258,6 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
         "results": [m.row() for m in measurements],
         "ratios": ratios(measurements),
         "goal": goal(measurements),
-        "reference_bf16_other_machine": REFERENCE_BF16,
     }
 
 
