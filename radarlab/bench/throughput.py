@@ -90,7 +90,7 @@ def _count(outputs: list[list[int]], expected: int, system: str) -> int:
 
 
 # --- the three systems --------------------------------------------------------------------------
-def run_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
+def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed
 
@@ -104,8 +104,8 @@ def run_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> t
     return [o.output_token_ids for o in outputs], seconds
 
 
-def run_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], config: ThroughputConfig
-                     ) -> tuple[list[list[int]], float]:
+def time_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], config: ThroughputConfig
+                      ) -> tuple[list[list[int]], float]:
     """Static batching: left-pad to the longest prompt, one generate call for the batch."""
     import torch
     from transformers import GenerationConfig
@@ -135,13 +135,13 @@ def vllm_request(batches: list[list[list[int]]], dtype: str, config: ThroughputC
     return request
 
 
-def run_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
-             ) -> tuple[list[tuple[list[list[int]], float]], dict]:
+def time_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
+              ) -> tuple[list[tuple[list[list[int]], float]], dict]:
     """[(outputs, seconds) per prompt set], plus what the worker said about itself."""
-    from radarlab.validate.vllm import run_vllm as run_worker
+    from radarlab.validate.vllm import run_vllm
 
     warmup = [prompt_sets[0][:2]]
-    response = run_worker(vllm_request(warmup + prompt_sets, dtype, config))
+    response = run_vllm(vllm_request(warmup + prompt_sets, dtype, config))
     outputs = [o["token_ids"] for o in response["outputs"]]
     results, start = [], len(warmup[0])
     for prompts, batch in zip(prompt_sets, response["batches"][1:]):
@@ -177,18 +177,18 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
 
         if "radarlab" in config.systems:
             model = Llama.from_hf(hf_model)
-            run_radarlab(model, prompt_sets[0][:2], _warmup(config))
+            time_radarlab(model, prompt_sets[0][:2], _warmup(config))
             for prompts in prompt_sets:
-                record("radarlab", prompts, *run_radarlab(model, prompts, config))
+                record("radarlab", prompts, *time_radarlab(model, prompts, config))
             del model
         if "transformers" in config.systems:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            run_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
+            time_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
             for prompts in prompt_sets:
-                record("transformers", prompts, *run_transformers(hf_model, pad, prompts, config))
+                record("transformers", prompts, *time_transformers(hf_model, pad, prompts, config))
         del hf_model
         if "vllm" in config.systems:
-            results, info["vllm"] = run_vllm(prompt_sets, dtype_name, config)
+            results, info["vllm"] = time_vllm(prompt_sets, dtype_name, config)
             for prompts, (outputs, seconds) in zip(prompt_sets, results):
                 record("vllm", prompts, outputs, seconds)
     return measurements, info
