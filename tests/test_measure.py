@@ -84,3 +84,8 @@ def test_measure_decode_on_a_tiny_model():
 def test_measure_decode_stops_at_its_budget():
     out = measure_decode(_tiny_llama(1), [1, 2, 4], context=3, steps=1, budget_s=0.0)
     assert [t.batch for t in out] == [1]  # the first point is always measured
+
+
+def test_gbps_is_bytes_per_nanosecond():
+    assert measure.gbps(3_000_000, 2.0) == 1.5  # 3 MB in 2 ms = 1.5 GB/s
+    assert measure.gbps(4.8e12, 1000.0) == pytest.approx(4800.0)  # an H200's 4.8 TB/s

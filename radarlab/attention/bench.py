@@ -23,7 +23,7 @@ import torch
 
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_decode_torch
-from radarlab.hardware.measure import time_ms
+from radarlab.hardware.measure import gbps, time_ms
 from radarlab.util import cdiv, require_int, require_power_of_two
 
 
@@ -174,11 +174,11 @@ class DecodeBandwidth:
 
     @property
     def triton_gbps(self) -> float:
-        return self.nbytes / self.triton_ms / 1e6
+        return gbps(self.nbytes, self.triton_ms)
 
     @property
     def torch_gbps(self) -> float:
-        return self.nbytes / self.torch_ms / 1e6
+        return gbps(self.nbytes, self.torch_ms)
 
 
 def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int = 9, num_kv_heads: int = 3,
@@ -253,7 +253,7 @@ class KernelCheck:
 
     @property
     def triton_gbps(self) -> float | None:
-        return None if self.nbytes is None else self.nbytes / self.triton_ms / 1e6
+        return None if self.nbytes is None else gbps(self.nbytes, self.triton_ms)
 
 
 def _max_error(out: torch.Tensor, expected: torch.Tensor) -> float:

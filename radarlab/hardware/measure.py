@@ -67,6 +67,11 @@ def time_ms(fn: Callable[[], object], device="cpu", repeats: int = 5, warmup: in
     return 1000.0 * statistics.median(times)
 
 
+def gbps(nbytes: float, ms: float) -> float:
+    """Bandwidth in GB/s (10^9 bytes per second, as spec sheets quote it) of nbytes moved in ms milliseconds."""
+    return nbytes / ms / 1e6
+
+
 def peak_bandwidth_gbps(device="cuda") -> float | None:
     """The GPU memory's theoretical peak in GB/s (memory clock x bus width x 2 for double data rate),
     as triton.testing.get_dram_gbps reads it from the driver. None off CUDA or if the driver won't say."""
@@ -90,7 +95,7 @@ def read_bandwidth_gbps(device="cuda", megabytes: int = 1024, repeats: int = 5) 
 
     x = torch.ones(require_int("megabytes", megabytes) * 2**20 // 4, device=device)
     ms = time_ms(lambda: x.sum(), device, repeats=repeats)
-    return x.nbytes / ms / 1e6
+    return gbps(x.nbytes, ms)
 
 
 @dataclass(frozen=True)
