@@ -20,12 +20,13 @@ def is_int(value) -> bool:
 
 
 def require_int(name: str, value, minimum: int | None = 1, maximum: int | None = None) -> int:
-    """value as a Python int, or ValueError naming `name`. The default, minimum=1, is a positive count."""
+    """value as a Python int, or ValueError naming `name`. The default, minimum=1, is a positive count;
+    minimum=0 a non-negative one (seeds, warm-up runs); None, any int."""
     if not is_int(value):
         raise ValueError(f"{name} must be an int, got {value!r}")
     value = int(value)
     if minimum is not None and value < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        what = {1: "a positive int", 0: "a non-negative int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{name} must be {what}, got {value!r}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be an int <= {maximum}, got {value!r}")

@@ -1,4 +1,4 @@
-"""radarlab.attention.bench: random paged batches, the bytes and FLOPs of a decode step, and the timer.
+"""radarlab.attention.bench: random paged batches, the bytes and FLOPs of a decode step, and the kernel check.
 
 The arithmetic is checked by hand-worked numbers and by counting the bytes of real tensors; the
 bandwidth sweep runs here on tiny shapes (under Triton's interpreter on CPU), so the code a GPU runs
@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from radarlab.attention.bench import (
-    DecodeBandwidth, decode_bytes, decode_flops, measure_decode_bandwidth, peak_bandwidth_gbps,
-    random_paged_batch, time_ms,
+    DecodeBandwidth, KernelCheck, check_kernels, decode_bytes, decode_flops, main, measure_decode_bandwidth,
+    random_paged_batch, tolerance,
 )
-from radarlab.util import cdiv
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.util import cdiv
 
 
 def test_decode_bytes_by_hand():
@@ -88,18 +88,6 @@ def test_random_paged_batch_rejects_bad_lengths():
         random_paged_batch([4], block_size=3)
 
 
-def test_time_ms_is_the_median_after_warmup():
-    calls = []
-    ms = time_ms(lambda: calls.append(1), "cpu", repeats=5, warmup=2)
-    assert len(calls) == 7 and 0 <= ms < 100
-    with pytest.raises(ValueError, match="repeats"):
-        time_ms(lambda: None, "cpu", repeats=0)
-
-
-def test_no_peak_bandwidth_off_cuda():
-    assert peak_bandwidth_gbps("cpu") is None
-
-
 def test_bandwidth_is_bytes_over_time():
     row = DecodeBandwidth(batch=2, context=10, nbytes=3_000_000, triton_ms=2.0, tile_n=32, torch_ms=6.0,
                           max_error=0.0)
@@ -114,3 +102,73 @@ def test_measure_decode_bandwidth_on_tiny_shapes():
     for r in rows:
         assert r.max_error < 1e-5 and r.triton_ms > 0 and r.torch_ms > 0
         assert r.nbytes == decode_bytes([r.context] * 2, 4, 2, 16, 4, 4)
+
+
+def test_slot_mapping_points_at_each_sequences_new_tokens():
+    b = random_paged_batch([5, 9], [2, 3], block_size=4, seed=1)
+    slots = b.slot_mapping()
+    assert slots.tolist() == [int(b.block_tables[s, p // 4]) * 4 + p % 4 for s, p in [(0, 3), (0, 4), (1, 6), (1, 7), (1, 8)]]
+    flat = b.k_cache.view(-1, *b.k_cache.shape[2:])
+    torch.testing.assert_close(flat[slots], torch.cat([b.keys[0][3:], b.keys[1][6:]]), rtol=0, atol=0)
+
+
+def test_tolerance_is_a_few_ulps_of_the_output_dtype():
+    assert tolerance(torch.float32) == 1e-4  # the floor: fp32 sums over long contexts
+    assert tolerance(torch.bfloat16) == 4 * 2**-7 and tolerance(torch.float16) == 4 * 2**-10
+
+
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_tokens=3, device="cpu", tiles=(16,))
+
+
+def test_check_kernels_on_tiny_shapes():
+    """What gpu_check.sh runs, small and interpreted: every kernel agrees with its torch counterpart."""
+    rows = check_kernels([(2, 5), (1, 17)], [torch.float32], **TINY)
+    assert [(r.kernel, r.batch, r.context, r.query_len) for r in rows] == [
+        ("store_kv", 2, 5, 1), ("decode", 2, 5, 1), ("prefill", 2, 5, 3),
+        ("store_kv", 1, 17, 1), ("decode", 1, 17, 1), ("prefill", 1, 17, 3)]
+    assert all(r.matches and r.triton_ms > 0 and r.torch_ms > 0 for r in rows)
+    assert all(r.max_error == 0 for r in rows if r.kernel == "store_kv")  # a write is a copy: exact
+    decode = rows[1]
+    assert decode.nbytes == decode_bytes([5, 5], 4, 2, 16, 4, 4) and decode.triton_gbps > 0
+    assert rows[0].nbytes is None and rows[0].triton_gbps is None
+
+
+@pytest.mark.parametrize("kernel, name, wrong", [
+    ("store_kv", "triton_reshape_and_cache", lambda *args, **kwargs: None),  # writes nothing
+    ("decode", "triton_paged_decode", lambda q, *args, **kwargs: torch.zeros_like(q)),
+    ("prefill", "triton_paged_prefill", lambda q, *args, **kwargs: torch.zeros_like(q)),
+])
+def test_check_kernels_reports_a_kernel_that_disagrees(monkeypatch, capsys, kernel, name, wrong):
+    import radarlab.attention.triton_paged as tp
+
+    monkeypatch.setattr(tp, name, wrong)
+    (row,) = check_kernels([(2, 5)], [torch.float32], [kernel], **TINY)
+    assert not row.matches and row.max_error > row.tolerance
+    assert main(["--shapes", "2x5", "--dtypes", "float32", "--kernels", kernel, "--num-heads", "4",
+                 "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--tiles", "16",
+                 "--prefill-tokens", "3", "--device", "cpu"]) == 1
+    assert " NO " in capsys.readouterr().out
+
+
+def test_main_prints_the_table_and_exits_0_when_all_match(capsys):
+    assert main(["--shapes", "2x5", "--dtypes", "bfloat16", "--num-heads", "4", "--num-kv-heads", "2",
+                 "--head-dim", "16", "--block-size", "4", "--tiles", "16", "--prefill-tokens", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:2] == ["kernel", "dtype"]
+    rows = [line.split() for line in lines[1:4]]
+    assert [r[0] for r in rows] == ["store_kv", "decode", "prefill"]
+    assert all(r[1] == "bfloat16" and r[7] == "yes" for r in rows)
+
+
+@pytest.mark.parametrize("argv", [["--kernels", "gemm"], ["--dtypes", "float9"], ["--shapes", "8by512"]])
+def test_main_rejects_bad_arguments(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+
+
+def test_kernel_check_row_arithmetic():
+    row = KernelCheck("decode", "float32", 2, 10, 1, max_error=1e-5, tolerance=1e-4, triton_ms=2.0, torch_ms=6.0,
+                      nbytes=3_000_000)
+    assert row.matches and row.speedup == 3.0 and row.triton_gbps == 1.5
+    assert not KernelCheck("prefill", "float32", 1, 4, 4, float("nan"), 1e-4, 1.0, 1.0).matches

@@ -9,7 +9,7 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
-    Measurement, ThroughputConfig, format_table, goal, ratios,
+    Measurement, ThroughputConfig, format_table, goal, ratios, report,
 )
 from radarlab.bench.workload import random_token_prompts
 
@@ -81,6 +81,15 @@ def test_bad_flags_exit_2_naming_the_flag(argv, match, capsys):
         bench_main(["throughput", *argv])
     assert exc.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_report_holds_only_what_this_run_measured():
+    """Numbers to compare with come from runs the project made (results/throughput.json records its
+    machine), never from constants measured elsewhere."""
+    ms = [m("radarlab", 1, 20), m("transformers", 1, 10)]
+    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",), systems=("radarlab", "transformers")), ms, {})
+    assert set(doc) == {"benchmark", "parameters", "environment", "results", "ratios", "goal"}
+    assert doc["results"] == [x.row() for x in ms] and doc["environment"]["torch_threads"] >= 1
 
 
 @pytest.mark.vllm

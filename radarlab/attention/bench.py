@@ -1,5 +1,5 @@
 """Inputs and measurements for the paged-attention kernels: random paged batches, what a decode step
-must move, and a timer.
+must move, the decode bandwidth sweep, and the GPU check of every kernel against its torch reference.
 
 Decode is memory-bound: per context token and KV head it reads 2 x head_dim values (K and V) and does
 4 x group x head_dim FLOPs with them (q.k and p.v for each of the group's query heads), about
@@ -10,19 +10,21 @@ move divided by its time, next to the memory's peak (a bandwidth roofline).
 random_paged_batch builds inputs the way the tests do: each sequence's K/V scattered through a
 shuffled block table into a pool whose unused slots hold NaN, so a kernel that reads a slot it should
 not returns NaN instead of a plausible number.
+
+Timing is radarlab.hardware.measure's time_ms (do_bench on CUDA). `python -m radarlab.attention.bench`
+runs check_kernels and prints its table; scripts/gpu_check.sh calls it on a GPU.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from radarlab.attention.torch_paged import paged_decode_torch
-from radarlab.util import cdiv, require_power_of_two
 from radarlab.attention.reference import attention_reference
+from radarlab.attention.torch_paged import paged_decode_torch
+from radarlab.hardware.measure import gbps, time_ms
+from radarlab.util import cdiv, require_int, require_power_of_two
 
 
 @dataclass
@@ -46,6 +48,15 @@ class PagedBatch:
     @property
     def query_lens(self) -> list[int]:
         return (self.query_start_loc[1:] - self.query_start_loc[:-1]).tolist()
+
+    def slot_mapping(self) -> torch.Tensor:
+        """Where each query token's K/V lives in the pool (vLLM's slot_mapping for this step's new
+        tokens): the last query_lens[b] positions of sequence b, [T] int64."""
+        slots = []
+        for b, (seq_len, n) in enumerate(zip(self.seq_lens.tolist(), self.query_lens)):
+            pos = torch.arange(seq_len - n, seq_len, device=self.block_tables.device)
+            slots.append(self.block_tables[b, pos // self.block_size].long() * self.block_size + pos % self.block_size)
+        return torch.cat(slots)
 
     def reference(self) -> torch.Tensor:
         """attention_reference over each sequence's unpaged K/V: what every paged path must return (fp32)."""
@@ -76,8 +87,7 @@ def random_paged_batch(seq_lens: Sequence[int], query_lens: Sequence[int] | None
         if s < 1 or not 0 <= n <= s:
             raise ValueError(f"sequence {b}: need seq_len >= 1 and 0 <= query_len <= seq_len, got {s} and {n}")
     require_power_of_two("block_size", block_size)
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_decode_shape(seq_lens, num_heads, num_kv_heads, head_dim)
 
     gen = torch.Generator(device=device).manual_seed(seed)
     per_seq = [cdiv(s, block_size) for s in seq_lens]
@@ -118,8 +128,7 @@ def _check_decode_shape(seq_lens, num_heads, num_kv_heads, head_dim) -> list[int
     if not seq_lens or min(seq_lens) < 1:
         raise ValueError(f"seq_lens must be a non-empty list of lengths >= 1, got {seq_lens}")
     for name, value in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
+        require_int(name, value)
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     return seq_lens
@@ -149,53 +158,7 @@ def decode_flops(seq_lens: Sequence[int], num_heads: int, num_kv_heads: int, hea
 
 
 # --------------------------------------------------------------------------------------------------
-# Timing
-
-def time_ms(fn: Callable[[], object], device: str | torch.device = "cpu", repeats: int = 5,
-            warmup: int = 1) -> float:
-    """Median milliseconds of one call of fn.
-
-    On CUDA this is triton.testing.do_bench: it flushes L2 before each run and repeats for ~100 ms,
-    so a kernel is timed reading from memory, not from cache. Elsewhere, the median wall time of
-    `repeats` calls after `warmup` calls (under Triton's interpreter that measures the interpreter).
-    """
-    if str(device).startswith("cuda"):
-        from triton.testing import do_bench
-
-        return float(do_bench(fn, return_mode="median"))
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats} and {warmup}")
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1000.0 * statistics.median(times)
-
-
-def peak_bandwidth_gbps(device: str | torch.device = "cuda") -> float | None:
-    """The GPU memory's theoretical peak in GB/s (memory clock x bus width x 2 for double data rate),
-    as triton.testing.get_dram_gbps reads it from the driver. None off CUDA or if the driver won't say."""
-    if not str(device).startswith("cuda") or not torch.cuda.is_available():
-        return None
-    try:
-        from triton.testing import get_dram_gbps
-
-        index = torch.device(device).index
-        return float(get_dram_gbps(torch.cuda.current_device() if index is None else index))
-    except Exception:  # an old driver or a non-NVIDIA backend: the measured read line still stands
-        return None
-
-
-def read_bandwidth_gbps(device: str | torch.device = "cuda", megabytes: int = 1024) -> float:
-    """Achieved bandwidth of torch summing a large fp32 tensor: what a plain streaming read reaches,
-    the practical ceiling next to the theoretical peak."""
-    x = torch.ones(megabytes * 2**20 // 4, device=device)
-    ms = time_ms(lambda: x.sum(), device)
-    return x.nbytes / ms / 1e6
-
+# Decode against the bandwidth roofline
 
 @dataclass(frozen=True)
 class DecodeBandwidth:
@@ -211,11 +174,11 @@ class DecodeBandwidth:
 
     @property
     def triton_gbps(self) -> float:
-        return self.nbytes / self.triton_ms / 1e6
+        return gbps(self.nbytes, self.triton_ms)
 
     @property
     def torch_gbps(self) -> float:
-        return self.nbytes / self.torch_ms / 1e6
+        return gbps(self.nbytes, self.torch_ms)
 
 
 def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int = 9, num_kv_heads: int = 3,
@@ -250,3 +213,191 @@ def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
+
+
+# --------------------------------------------------------------------------------------------------
+# The GPU check: every Triton kernel against its torch reference, then timed (scripts/gpu_check.sh)
+
+KERNELS = ("store_kv", "decode", "prefill")
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Largest accepted |Triton - reference| for an attention output stored as dtype: 4 ulps at 1.0
+    (the kernels compute in fp32 and round once at the end), and at least 1e-4 for fp32, whose sums
+    over thousands of context tokens may run in another order than the reference's."""
+    return max(1e-4, 4 * torch.finfo(dtype).eps)
+
+
+@dataclass(frozen=True)
+class KernelCheck:
+    """One Triton kernel against its torch counterpart on one shape: do they agree, and how fast is each."""
+
+    kernel: str  # one of KERNELS
+    dtype: str
+    batch: int
+    context: int  # tokens per sequence, new ones included
+    query_len: int  # new tokens per sequence
+    max_error: float  # Triton against the reference (inf where one side is NaN and the other not)
+    tolerance: float
+    triton_ms: float
+    torch_ms: float
+    nbytes: int | None = None  # decode only: decode_bytes, the yardstick of a memory-bound kernel
+
+    @property
+    def matches(self) -> bool:
+        return self.max_error <= self.tolerance
+
+    @property
+    def speedup(self) -> float:
+        return self.torch_ms / self.triton_ms
+
+    @property
+    def triton_gbps(self) -> float | None:
+        return None if self.nbytes is None else gbps(self.nbytes, self.triton_ms)
+
+
+def _max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |out - expected|; NaN in the same place on both sides agrees, NaN on one side is inf."""
+    diff = (out.float() - expected.float()).abs()
+    diff[out.isnan() & expected.isnan()] = 0.0
+    return float(diff.nan_to_num(nan=float("inf")).max()) if diff.numel() else 0.0
+
+
+def _check_store_kv(b: PagedBatch, device) -> tuple[float, float, float]:
+    """triton_reshape_and_cache against the torch write, on two copies of one pool: the pools after
+    the write must be identical (a copy has no rounding). The new K/V go to the query tokens' slots."""
+    from radarlab.attention.triton_paged import triton_reshape_and_cache
+    from radarlab.kvcache.paged_cache import reshape_and_cache
+
+    slots = b.slot_mapping()
+    gen = torch.Generator(device=device).manual_seed(1)
+    shape = (slots.numel(), *b.k_cache.shape[2:])
+    k = torch.randn(shape, generator=gen, device=device).to(b.k_cache.dtype)
+    v = torch.randn(shape, generator=gen, device=device).to(b.k_cache.dtype)
+    pools = {name: (b.k_cache.clone(), b.v_cache.clone()) for name in ("triton", "torch")}
+    triton_reshape_and_cache(k, v, *pools["triton"], slots)
+    reshape_and_cache(k, v, *pools["torch"], slots)
+    error = max(_max_error(a, r) for a, r in zip(pools["triton"], pools["torch"]))
+    triton_ms = time_ms(lambda: triton_reshape_and_cache(k, v, *pools["triton"], slots, check=False), device)
+    torch_ms = time_ms(lambda: reshape_and_cache(k, v, *pools["torch"], slots), device)
+    return error, triton_ms, torch_ms
+
+
+def _check_prefill(b: PagedBatch, device) -> tuple[float, float, float]:
+    """triton_paged_prefill against the fp32 reference; timed against the torch gather path."""
+    from radarlab.attention.torch_paged import paged_attention_torch
+    from radarlab.attention.triton_paged import triton_paged_prefill
+
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    out = triton_paged_prefill(*args)
+    error = _max_error(out, b.reference())
+    triton_ms = time_ms(lambda: triton_paged_prefill(*args, out=out, check=False), device)
+    torch_ms = time_ms(lambda: paged_attention_torch(*args, check=False), device)
+    return error, triton_ms, torch_ms
+
+
+def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32, 8192), (128, 2048)),
+                  dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32),
+                  kernels: Sequence[str] = KERNELS, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+                  block_size: int = 16, prefill_tokens: int = 512, device: str | torch.device = "cuda",
+                  tiles: Sequence[int] = (16, 32, 64), seed: int = 0) -> list[KernelCheck]:
+    """Each kernel of triton_paged.py against its torch counterpart, for each (batch, context) shape.
+
+    store_kv writes one new token per sequence (a decode step's write) and must match the torch write
+    exactly; decode (measure_decode_bandwidth, best of `tiles`) and prefill (the last
+    min(prefill_tokens, context) tokens of each sequence, a chunked prefill when that is less than
+    the context) must match the fp32 reference within tolerance(dtype). Every correctness call
+    runs with the argument checks on; the timed calls skip them. The defaults are the course model's
+    heads at GPU sizes.
+    """
+    unknown = [k for k in kernels if k not in KERNELS]
+    if unknown:
+        raise ValueError(f"kernels must be among {KERNELS}, got {list(kernels)}")
+    require_int("prefill_tokens", prefill_tokens)
+    rows = []
+    for dtype in dtypes:
+        name = str(dtype).removeprefix("torch.")
+        for batch, context in shapes:
+            batch, context = require_int("batch", batch), require_int("context", context)
+            for kernel in kernels:
+                query_len = min(prefill_tokens, context) if kernel == "prefill" else 1
+                if kernel == "decode":
+                    d = measure_decode_bandwidth([context], batch, num_heads, num_kv_heads, head_dim, block_size,
+                                                 dtype, device, tiles, seed)[0]
+                    rows.append(KernelCheck(kernel, name, batch, context, 1, d.max_error, tolerance(dtype),
+                                            d.triton_ms, d.torch_ms, d.nbytes))
+                    continue
+                b = random_paged_batch([context] * batch, [query_len] * batch, block_size, num_heads, num_kv_heads,
+                                       head_dim, seed=seed, device=device, dtype=dtype)
+                check = _check_store_kv if kernel == "store_kv" else _check_prefill
+                error, triton_ms, torch_ms = check(b, device)
+                rows.append(KernelCheck(kernel, name, batch, context, query_len, error,
+                                        0.0 if kernel == "store_kv" else tolerance(dtype), triton_ms, torch_ms))
+                del b
+                if str(device).startswith("cuda"):
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def format_kernel_checks(rows: Sequence[KernelCheck]) -> str:
+    """The table gpu_check.sh prints: agreement first, then the times."""
+    lines = [f"{'kernel':>8} {'dtype':>8} {'batch':>5} {'context':>7} {'new':>5} {'max err':>8} {'tol':>7} "
+             f"{'match':>5} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} {'triton GB/s':>11}"]
+    for r in rows:
+        gbps = f"{r.triton_gbps:>11.0f}" if r.triton_gbps is not None else f"{'-':>11}"
+        lines.append(f"{r.kernel:>8} {r.dtype:>8} {r.batch:>5} {r.context:>7} {r.query_len:>5} {r.max_error:>8.1e} "
+                     f"{r.tolerance:>7.0e} {'yes' if r.matches else 'NO':>5} {r.triton_ms:>9.4f} {r.torch_ms:>9.4f} "
+                     f"{r.speedup:>6.2f}x {gbps}")
+    lines.append("torch ms: store_kv the torch write (reshape_and_cache), decode paged_decode_torch, prefill "
+                 "paged_attention_torch. GB/s: the bytes decode must move (decode_bytes) over the median time.")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m radarlab.attention.bench`: check_kernels, printed. Exit status 1 if any kernel disagrees."""
+    import argparse
+    import inspect
+
+    from radarlab.device import default_device
+
+    def shapes(text: str) -> list[tuple[int, int]]:
+        try:
+            return [tuple(int(n) for n in item.split("x", 1)) for item in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected BATCHxCONTEXT,..., got {text!r}") from None
+
+    def names(text: str) -> list[str]:
+        return [x.strip() for x in text.split(",") if x.strip()]
+
+    def dtype(text: str) -> torch.dtype:
+        if not isinstance(getattr(torch, text, None), torch.dtype):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a torch dtype")
+        return getattr(torch, text)
+
+    default = {k: p.default for k, p in inspect.signature(check_kernels).parameters.items()}
+    parser = argparse.ArgumentParser(prog="python -m radarlab.attention.bench", description=main.__doc__)
+    # Every option defaults to check_kernels' own default (None here means "not given").
+    for flag, kind, what in [("shapes", shapes, "BATCHxCONTEXT,..."), ("dtypes", lambda t: [dtype(x) for x in names(t)],
+                             "comma-separated torch dtypes"), ("kernels", names, f"some of {','.join(KERNELS)}"),
+                             ("num_heads", int, "query heads"), ("num_kv_heads", int, "KV heads"),
+                             ("head_dim", int, "dims per head"), ("block_size", int, "tokens per KV block"),
+                             ("prefill_tokens", int, "new tokens per sequence in the prefill check"),
+                             ("tiles", lambda t: [int(x) for x in names(t)], "decode tile sizes tried")]:
+        parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, default=None,
+                            help=f"{what} (default: {default[flag]})")
+    parser.add_argument("--device", default=None, help="(default: cuda when present, else cpu under the interpreter)")
+    args = vars(parser.parse_args(argv))
+    kwargs = {k: v for k, v in args.items() if v is not None}
+    kwargs["device"] = kwargs.get("device") or default_device()
+    try:
+        rows = check_kernels(**kwargs)
+    except ValueError as err:
+        parser.error(str(err))
+    print(format_kernel_checks(rows), flush=True)
+    return 0 if all(r.matches for r in rows) else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -35,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.run(args)
     except ValueError as err:  # a bad parameter: argparse's usage message and exit status 2
-        args.subparser.error(str(err))
+        args.subparser.error(_name_the_flag(str(err), args))
+
+
+def _name_the_flag(message: str, args: argparse.Namespace) -> str:
+    """A config's error starts with the field it is about (max_tokens must be ...); on the command line,
+    say which flag that is (--max-tokens: max_tokens must be ...)."""
+    field = message.split(" ", 1)[0]
+    if field in vars(args) and field not in ("run", "subparser"):
+        return f"--{field.replace('_', '-')}: {message}"
+    return message
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ rebuilt per rate, so each rate starts from an empty pool and a cold prefix cache
 from __future__ import annotations
 
 import argparse
-import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -36,6 +35,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from radarlab.bench.workload import random_token_prompts
+from radarlab.util import cdiv, require_int, require_number
 
 DEFAULT_RATES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0)  # requests per second
 DEFAULT_NUM_REQUESTS = 16  # the CPU sweep takes about 4 minutes on one uncontended core
@@ -53,16 +53,10 @@ def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
     """Arrival times in seconds from 0 of a Poisson process with `rate` requests per second:
     cumulative sums of exponential gaps with mean 1 / rate. The same seed gives the same gaps
     (scaled by 1 / rate) at every rate, so rates differ only in how densely requests come."""
-    _check_positive_int("num_requests", num_requests)
-    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not math.isfinite(rate) or rate <= 0:
-        raise ValueError(f"rate must be a positive finite number of requests per second, got {rate!r}")
+    require_int("num_requests", num_requests)
+    require_number("rate", rate, positive=True)  # requests per second
     gaps = np.random.default_rng(seed).exponential(1.0, size=num_requests) / rate
     return np.cumsum(gaps).tolist()
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 # --- serving in wall-clock time ------------------------------------------------------------------
@@ -217,15 +211,13 @@ class LatencyBenchConfig:
         if not self.rates:
             raise ValueError("rates is empty")
         for r in self.rates:
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r) or r <= 0:
-                raise ValueError(f"rates must be positive finite numbers (requests per second), got {r!r}")
+            require_number("rates", r, positive=True)  # requests per second
         for name in ("num_requests", "output_len", "block_size", "max_num_seqs", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            require_int(name, getattr(self, name))
+        require_int("seed", self.seed, minimum=0)
         for name in ("num_blocks", "threads"):
             if getattr(self, name) is not None:
-                _check_positive_int(name, getattr(self, name))
+                require_int(name, getattr(self, name))
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.backend not in ("torch", "triton"):
@@ -236,7 +228,7 @@ class LatencyBenchConfig:
         limits the batch and latency reflects compute and queueing."""
         if self.num_blocks is not None:
             return self.num_blocks
-        return sum(-(-(len(p) + self.output_len) // self.block_size) for p in prompts)
+        return sum(cdiv(len(p) + self.output_len, self.block_size) for p in prompts)
 
 
 def run_rate(model, prompts, rate: float, config: LatencyBenchConfig, num_blocks: int,
@@ -366,7 +358,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> LatencyBenchConfig:
-    """Raises ValueError naming the bad flag."""
+    """Raises ValueError naming the bad field (python -m radarlab.bench names its flag)."""
     default_rates, default_n = default_scale()
     rates = default_rates
     if args.rates is not None:
@@ -374,15 +366,11 @@ def config_from_args(args: argparse.Namespace) -> LatencyBenchConfig:
             rates = tuple(float(x) for x in args.rates.split(",") if x.strip())
         except ValueError:
             raise ValueError(f"--rates: expected comma-separated numbers, got {args.rates!r}") from None
-    try:
-        return LatencyBenchConfig(
-            rates=rates, num_requests=default_n if args.num_requests is None else args.num_requests,
-            output_len=args.output_len, seed=args.seed, dtype=args.dtype, num_blocks=args.num_blocks,
-            block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, threads=args.threads)
-    except ValueError as err:
-        name = str(err).split(" ", 1)[0]
-        raise ValueError(f"--{name.replace('_', '-')}: {err}") from None
+    return LatencyBenchConfig(
+        rates=rates, num_requests=default_n if args.num_requests is None else args.num_requests,
+        output_len=args.output_len, seed=args.seed, dtype=args.dtype, num_blocks=args.num_blocks,
+        block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, backend=args.backend, threads=args.threads)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Callable
 
+from radarlab.util import require_int
+
 GROUPS: dict[str, tuple[str, ...]] = {
     "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm"),
     "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
@@ -31,8 +33,7 @@ def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
     times per call; the groups, OTHER_OPS and UNPROFILED add up to wall_ms."""
     from torch.profiler import ProfilerActivity, profile
 
-    if isinstance(repeat, bool) or not isinstance(repeat, int) or repeat < 1:
-        raise ValueError(f"repeat must be a positive int, got {repeat!r}")
+    require_int("repeat", repeat)
     prof = profile(activities=[ProfilerActivity.CPU])
     with _stderr_silenced():  # the profiler's C++ side prints start/stop lines to stderr
         prof.start()

@@ -22,13 +22,11 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from radarlab.bench.workload import random_token_prompts
+from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
 
-# Measured on the machine that wrote ENVIRONMENT.md (bf16, output tokens/s), before this benchmark
-# existed. Shown beside ours; a different CPU gives different numbers.
-REFERENCE_BF16 = {"vllm": {1: 26.7, 16: 315.0, 64: 610.0}, "transformers": {1: 18.9, 16: 172.0, 64: 303.0}}
 GOAL = "radarlab >= transformers at every batch size, and >= 0.8x vLLM at batch 64 (1.0x the stretch)"
 GOAL_VLLM_RATIO = 0.8
 
@@ -48,26 +46,20 @@ class ThroughputConfig:
 
     def __post_init__(self) -> None:
         for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens"):
-            _check_positive_int(name, getattr(self, name))
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+            require_int(name, getattr(self, name))
+        require_int("seed", self.seed, minimum=0)
         if self.min_prompt_len > self.max_prompt_len:
             raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above max_prompt_len ({self.max_prompt_len})")
         if not self.batch_sizes:
             raise ValueError("batch_sizes is empty")
         for b in self.batch_sizes:
-            _check_positive_int("batch_sizes", b)
+            require_int("batch_sizes", b)
         for name, values, allowed in [("dtypes", self.dtypes, DTYPES), ("systems", self.systems, SYSTEMS)]:
             if not values:
                 raise ValueError(f"{name} is empty")
             bad = [v for v in values if v not in allowed]
             if bad or len(set(values)) != len(values):
                 raise ValueError(f"{name} must be distinct values from {allowed}, got {list(values)}")
-
-
-def _check_positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass
@@ -98,7 +90,7 @@ def _count(outputs: list[list[int]], expected: int, system: str) -> int:
 
 
 # --- the three systems --------------------------------------------------------------------------
-def run_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
+def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed
 
@@ -112,8 +104,8 @@ def run_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> t
     return [o.output_token_ids for o in outputs], seconds
 
 
-def run_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], config: ThroughputConfig
-                     ) -> tuple[list[list[int]], float]:
+def time_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], config: ThroughputConfig
+                      ) -> tuple[list[list[int]], float]:
     """Static batching: left-pad to the longest prompt, one generate call for the batch."""
     import torch
     from transformers import GenerationConfig
@@ -143,13 +135,13 @@ def vllm_request(batches: list[list[list[int]]], dtype: str, config: ThroughputC
     return request
 
 
-def run_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
-             ) -> tuple[list[tuple[list[list[int]], float]], dict]:
+def time_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
+              ) -> tuple[list[tuple[list[list[int]], float]], dict]:
     """[(outputs, seconds) per prompt set], plus what the worker said about itself."""
-    from radarlab.validate.vllm import run_vllm as run_worker
+    from radarlab.validate.vllm import run_vllm
 
     warmup = [prompt_sets[0][:2]]
-    response = run_worker(vllm_request(warmup + prompt_sets, dtype, config))
+    response = run_vllm(vllm_request(warmup + prompt_sets, dtype, config))
     outputs = [o["token_ids"] for o in response["outputs"]]
     results, start = [], len(warmup[0])
     for prompts, batch in zip(prompt_sets, response["batches"][1:]):
@@ -185,18 +177,18 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
 
         if "radarlab" in config.systems:
             model = Llama.from_hf(hf_model)
-            run_radarlab(model, prompt_sets[0][:2], _warmup(config))
+            time_radarlab(model, prompt_sets[0][:2], _warmup(config))
             for prompts in prompt_sets:
-                record("radarlab", prompts, *run_radarlab(model, prompts, config))
+                record("radarlab", prompts, *time_radarlab(model, prompts, config))
             del model
         if "transformers" in config.systems:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            run_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
+            time_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
             for prompts in prompt_sets:
-                record("transformers", prompts, *run_transformers(hf_model, pad, prompts, config))
+                record("transformers", prompts, *time_transformers(hf_model, pad, prompts, config))
         del hf_model
         if "vllm" in config.systems:
-            results, info["vllm"] = run_vllm(prompt_sets, dtype_name, config)
+            results, info["vllm"] = time_vllm(prompt_sets, dtype_name, config)
             for prompts, (outputs, seconds) in zip(prompt_sets, results):
                 record("vllm", prompts, outputs, seconds)
     return measurements, info
@@ -266,7 +258,6 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
         "results": [m.row() for m in measurements],
         "ratios": ratios(measurements),
         "goal": goal(measurements),
-        "reference_bf16_other_machine": REFERENCE_BF16,
     }
 
 
@@ -316,7 +307,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
-    """Raises ValueError naming the bad flag."""
+    """Raises ValueError naming the bad field (python -m radarlab.bench names its flag)."""
     def ints(flag, text):
         try:
             return tuple(int(x) for x in text.split(","))
@@ -326,16 +317,11 @@ def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     def names(text):
         return tuple(x.strip() for x in text.split(",") if x.strip())
 
-    fields = dict(batch_sizes=ints("batch-sizes", args.batch_sizes), dtypes=names(args.dtypes),
-                  systems=names(args.systems), max_tokens=args.max_tokens, min_prompt_len=args.min_prompt_len,
-                  max_prompt_len=args.max_prompt_len, seed=args.seed, model=args.model, block_size=args.block_size,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
-    try:
-        return ThroughputConfig(**fields)
-    except ValueError as err:
-        name = str(err).split(" ", 1)[0]
-        flag = f"--{name.replace('_', '-')}" if name in fields else "arguments"
-        raise ValueError(f"{flag}: {err}") from None
+    return ThroughputConfig(batch_sizes=ints("batch-sizes", args.batch_sizes), dtypes=names(args.dtypes),
+                            systems=names(args.systems), max_tokens=args.max_tokens,
+                            min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len, seed=args.seed,
+                            model=args.model, block_size=args.block_size,
+                            max_num_batched_tokens=args.max_num_batched_tokens)
 
 
 def main(args: argparse.Namespace) -> int:

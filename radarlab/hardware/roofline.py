@@ -1,4 +1,4 @@
-"""Why decode is memory-bandwidth bound: arithmetic intensity of one decode step, and a measurement.
+"""Why decode is memory-bandwidth bound: the arithmetic intensity of one decode step (a roofline model).
 
 One decode step produces one token for each of B sequences. It must read every weight once (shared by
 the whole batch) and, for each sequence, that sequence's whole KV cache (shared by nobody). It does
@@ -12,16 +12,15 @@ intensity stops at flops_per_token / kv_bytes_per_sequence, whatever the batch. 
 peak FLOP/s divided by bandwidth (its ridge point) is above that is waiting on memory.
 
 This is a first-order model: activations, norms, embeddings rows and the KV write are left out
-(each is small next to the weights or the KV read).
+(each is small next to the weights or the KV read). Measuring a machine's peak and bandwidth, and
+timing real decode steps against this model, is radarlab.hardware.measure's job.
 """
 from __future__ import annotations
 
-import statistics
-import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from radarlab.kvcache.memory import _positive_int, kv_bytes_per_token
+from radarlab.kvcache.memory import kv_bytes_per_token
+from radarlab.util import require_int
 
 _WEIGHT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 
@@ -41,7 +40,7 @@ class TransformerDims:
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "vocab"):
-            _positive_int(name, getattr(self, name))
+            require_int(name, getattr(self, name))
         if self.heads % self.kv_heads:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
 
@@ -107,14 +106,14 @@ class DecodeStep:
 
 def flops_per_token(dims: TransformerDims, context: int) -> float:
     """2 FLOPs per weight (multiply-add) plus attention's QK^T and PV over the context."""
-    attention = 4 * dims.layers * dims.heads * dims.head_dim * _positive_int("context", context)
+    attention = 4 * dims.layers * dims.heads * dims.head_dim * require_int("context", context)
     return 2 * dims.matmul_params + attention
 
 
 def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: str = "bf16",
                 kv_dtype: str = "bf16", group_size: int = 128) -> DecodeStep:
     """Cost of one decode step: weights read once per step, each sequence's KV read once."""
-    batch = _positive_int("batch", batch)
+    batch = require_int("batch", batch)
     if weight_dtype not in _WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_BYTES)}, got {weight_dtype!r}")
     if kv_dtype == "fp32":  # the calculator stops at 16 bits; an fp32 cache is twice fp16
@@ -140,130 +139,3 @@ def intensity_limit(dims: TransformerDims, context: int, weight_dtype: str = "bf
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
     """FLOP/byte at which a chip turns from memory-bound to compute-bound."""
     return peak_flops / bandwidth
-
-
-# ---------------------------------------------------------------------------------------------------
-# Measurements on this machine
-
-
-@dataclass(frozen=True)
-class MachineBalance:
-    peak_flops: float  # measured fp32 matmul FLOP/s
-    bandwidth: float  # measured read bandwidth, bytes/s
-
-    @property
-    def ridge(self) -> float:
-        return ridge_point(self.peak_flops, self.bandwidth)
-
-
-@contextmanager
-def cpu_threads(n: int | None):
-    """Run a block with torch limited to n CPU threads (None: leave as is), then restore.
-
-    On a machine shared with other jobs, torch's worker threads spin waiting for each other and a
-    timing can come out ten times too slow; a single thread gives steady numbers there."""
-    import torch
-
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(_positive_int("threads", n))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-def _sync(device) -> None:
-    import torch
-
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def measure_machine(device: str = "cpu", matmul_n: int = 1024, read_mb: int = 256, repeats: int = 5,
-                    threads: int | None = None) -> MachineBalance:
-    """Best-of-`repeats` fp32 matmul throughput and read bandwidth (summing a large tensor).
-
-    Rough by design (a second or so): enough to place this machine's ridge point on the plot."""
-    import torch
-
-    a = torch.randn(matmul_n, matmul_n, device=device)
-    b = torch.randn(matmul_n, matmul_n, device=device)
-    x = torch.ones(read_mb * 2**20 // 4, device=device)
-    best_mm = best_rd = float("inf")
-    with cpu_threads(threads):
-        a @ b, x.sum()  # warm up
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            a @ b
-            _sync(device)
-            t1 = time.perf_counter()
-            x.sum()
-            _sync(device)
-            t2 = time.perf_counter()
-            best_mm, best_rd = min(best_mm, t1 - t0), min(best_rd, t2 - t1)
-    return MachineBalance(2 * matmul_n**3 / best_mm, x.nbytes / best_rd)
-
-
-@dataclass(frozen=True)
-class DecodeTiming:
-    batch: int
-    context: int
-    ms_per_step: float  # median over the timed steps
-
-    @property
-    def ms_per_token(self) -> float:
-        """Each step yields one token per sequence."""
-        return self.ms_per_step / self.batch
-
-    @property
-    def tokens_per_s(self) -> float:
-        return 1000.0 * self.batch / self.ms_per_step
-
-
-def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmup: int = 1,
-                   seed: int = 0, budget_s: float | None = None, threads: int | None = None) -> list[DecodeTiming]:
-    """Time our forward pass on one-token decode steps for each batch size.
-
-    The prefill is skipped: each sequence starts with `context` positions of zero K/V already in a
-    contiguous cache. The arithmetic and memory traffic of a decode step do not depend on what the
-    cache holds, so this times decode alone without paying for B prompts first.
-
-    With budget_s, batch sizes after the one that crosses the budget are skipped (a busy or slow
-    machine then returns fewer points instead of running for minutes)."""
-    import torch
-
-    from radarlab.attention.metadata import AttentionMetadata
-    from radarlab.kvcache.contiguous import ContiguousKVCache
-
-    context = _positive_int("context", context)
-    steps = _positive_int("steps", steps)
-    cfg = model.config
-    param = next(model.parameters())
-    gen = torch.Generator().manual_seed(seed)
-    with cpu_threads(threads):
-        results = []
-        started = time.perf_counter()
-        for batch in batch_sizes:
-            if budget_s is not None and results and time.perf_counter() - started > budget_s:
-                break
-            batch = _positive_int("batch", batch)
-            cache = ContiguousKVCache.for_model(cfg, batch, context + warmup + steps, dtype=param.dtype,
-                                                device=param.device)
-            rows = torch.arange(batch)
-            times = []
-            for s in range(warmup + steps):
-                meta = AttentionMetadata.from_lens([1] * batch, [context + s + 1] * batch, cache_rows=rows)
-                ids = torch.randint(cfg.vocab_size, (batch,), generator=gen).to(param.device)
-                positions = meta.positions.to(param.device)
-                logits_at = torch.arange(batch, device=param.device)
-                _sync(param.device)
-                t0 = time.perf_counter()
-                model(ids, positions, cache, meta, logits_indices=logits_at)
-                _sync(param.device)
-                if s >= warmup:
-                    times.append(time.perf_counter() - t0)
-            results.append(DecodeTiming(batch, context, 1000.0 * statistics.median(times)))
-            del cache
-    return results

@@ -9,6 +9,7 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.reference import attention_reference
+from radarlab.util import require_int
 
 
 class KVCacheFull(RuntimeError):
@@ -30,8 +31,7 @@ class ContiguousKVCache:
     ) -> None:
         for name, value in [("num_layers", num_layers), ("max_seqs", max_seqs), ("max_len", max_len),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
-            if value <= 0:
-                raise ValueError(f"{name} must be positive, got {value}")
+            require_int(name, value)
         shape = (num_layers, max_seqs, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)

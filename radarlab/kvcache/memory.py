@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import numbers
 import sys
 from dataclasses import asdict, dataclass
+
+from radarlab.util import require_int, require_number
 
 GB = 10**9  # decimal gigabyte
 GIB = 2**30  # binary gibibyte (what nvidia-smi and torch report)
@@ -32,15 +32,6 @@ INT4_GROUP_METADATA_BYTES = 4  # one fp16 scale + one fp16 zero point per group
 DEFAULT_GROUP_SIZE = 128
 
 
-def _positive_int(name: str, value) -> int:
-    """Sizes must be whole and positive; say which one is not, since a CLI user passes many."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {value}")
-    return int(value)
-
-
 def _check_dtype(kv_dtype: str) -> str:
     if kv_dtype not in _PAYLOAD_BYTES:
         raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
@@ -49,7 +40,7 @@ def _check_dtype(kv_dtype: str) -> str:
 
 def _check_group(group_size, head_dim: int) -> int:
     """INT4 groups run along head_dim, so a group must not straddle two heads."""
-    g = _positive_int("group_size", group_size)
+    g = require_int("group_size", group_size)
     if head_dim % g:
         raise ValueError(
             f"group_size ({g}) must divide head_dim ({head_dim}): groups are taken along each head's "
@@ -60,8 +51,8 @@ def _check_group(group_size, head_dim: int) -> int:
 
 def kv_values_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
     """Numbers stored per token of context: one K and one V vector per KV head per layer."""
-    return (_positive_int("layers", layers) * _positive_int("kv_heads", kv_heads)
-            * _positive_int("head_dim", head_dim) * 2)
+    return (require_int("layers", layers) * require_int("kv_heads", kv_heads)
+            * require_int("head_dim", head_dim) * 2)
 
 
 def payload_bytes_per_value(kv_dtype: str) -> float:
@@ -72,7 +63,7 @@ def payload_bytes_per_value(kv_dtype: str) -> float:
 
 def int4_overhead_bytes_per_value(group_size: int) -> float:
     """An fp16 scale and an fp16 zero point shared by each group of g values: 4/g bytes per value."""
-    return INT4_GROUP_METADATA_BYTES / _positive_int("group_size", group_size)
+    return INT4_GROUP_METADATA_BYTES / require_int("group_size", group_size)
 
 
 def int4_bytes_per_value(group_size: int) -> float:
@@ -126,10 +117,10 @@ def kv_footprint(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtyp
                  group_size: int | None = DEFAULT_GROUP_SIZE) -> KVFootprint:
     """Bytes per token and per stream of `tokens` context. group_size matters only for int4."""
     values = kv_values_per_token(layers, kv_heads, head_dim)
-    tokens = _positive_int("tokens", tokens)
+    tokens = require_int("tokens", tokens)
     _check_dtype(kv_dtype)
     if group_size is not None:
-        _positive_int("group_size", group_size)
+        require_int("group_size", group_size)
     elif kv_dtype == "int4":
         raise ValueError("group_size is required for int4 (values sharing one scale and zero point)")
     num, den = _PAYLOAD_BYTES[kv_dtype]
@@ -155,20 +146,9 @@ def kv_gb_per_stream(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_
     return kv_footprint(layers, kv_heads, head_dim, tokens, kv_dtype, group_size).gb_per_stream
 
 
-def _nonnegative(name: str, value) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must not be negative, got {value}")
-    return float(value)
-
-
 def kv_budget_gb(gpu_mem_gb: float, weights_gb: float = 0.0) -> float:
     """Memory left for the KV cache: GPU memory minus the weights (negative when weights do not fit)."""
-    gpu = _nonnegative("gpu_mem_gb", gpu_mem_gb)
-    if gpu == 0:
-        raise ValueError("gpu_mem_gb must be positive, got 0")
-    return gpu - _nonnegative("weights_gb", weights_gb)
+    return require_number("gpu_mem_gb", gpu_mem_gb, positive=True) - require_number("weights_gb", weights_gb, 0)
 
 
 def max_concurrent_streams(gpu_mem_gb: float, weights_gb: float, gb_per_stream: float) -> int:
@@ -176,9 +156,7 @@ def max_concurrent_streams(gpu_mem_gb: float, weights_gb: float, gb_per_stream: 
 
     An upper bound: a real server also needs activations, CUDA graphs and fragmentation headroom
     (vLLM keeps 1 - gpu_memory_utilization of the GPU free, 10% by default)."""
-    per = _nonnegative("gb_per_stream", gb_per_stream)
-    if per == 0:
-        raise ValueError("gb_per_stream must be positive, got 0")
+    per = require_number("gb_per_stream", gb_per_stream, positive=True)
     left = kv_budget_gb(gpu_mem_gb, weights_gb)
     if left <= 0:
         return 0
@@ -220,8 +198,8 @@ def shape_from_hf_config(config) -> KVModelShape:
         head_dim = hidden // heads
     if heads and heads % kv_heads:
         raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-    return KVModelShape(_positive_int("num_hidden_layers", layers), _positive_int("num_key_value_heads", kv_heads),
-                        _positive_int("head_dim", head_dim))
+    return KVModelShape(require_int("num_hidden_layers", layers), require_int("num_key_value_heads", kv_heads),
+                        require_int("head_dim", head_dim))
 
 
 def kv_report(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",

@@ -5,14 +5,14 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
+from radarlab.util import require_int
 
 
 def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_len: int) -> None:
     """Reject inputs that cannot run: empty prompts, no new tokens, or more than the model's context."""
     if not prompts:
         raise ValueError("prompts is empty")
-    if max_new_tokens <= 0:
-        raise ValueError(f"max_new_tokens must be positive, got {max_new_tokens}")
+    require_int("max_new_tokens", max_new_tokens)
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty")

@@ -20,6 +20,7 @@ from torch import nn
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.models.linear import Linear
+from radarlab.util import require_int
 
 SUPPORTED_MODEL_TYPES = {"llama"}
 
@@ -49,8 +50,7 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+            require_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:

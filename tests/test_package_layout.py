@@ -1,0 +1,157 @@
+"""One home per name: the package's layout, read with ast (nothing is imported).
+
+A learner reads `from radarlab.x import y` in a notebook and looks for y in one file. These tests keep
+that true: module file names are unique, no module reaches into another's private names, a name the
+notebooks import is defined once, and README's package map lists every module.
+"""
+from __future__ import annotations
+
+import ast
+import json
+import re
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "radarlab"
+NOT_NAMES = {"__init__", "__main__"}  # every package has them; they are named by their folder
+
+
+def _modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _dotted(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _tree(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _absolute(module: str | None, level: int, importer: Path) -> str:
+    """The dotted name an ImportFrom refers to, relative imports resolved against the importer."""
+    if not level:
+        return module or ""
+    package = _dotted(importer).split(".")
+    if importer.name != "__init__.py":
+        package = package[:-1]
+    base = package[: len(package) - (level - 1)]
+    return ".".join(base + ([module] if module else []))
+
+
+def _is_radarlab_module(dotted: str) -> bool:
+    path = ROOT.joinpath(*dotted.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def _top_level_defs(path: Path) -> set[str]:
+    return {node.name for node in _tree(path).body
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def _notebook_imports() -> dict[str, set[str]]:
+    """{name: notebooks} for every `from radarlab... import name` in a course notebook's code cells,
+    names that are modules themselves left out."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for nb_path in sorted((ROOT / "notebooks").glob("0*.ipynb")):
+        for cell in json.loads(nb_path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            source = "".join(cell["source"])
+            source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "radarlab":
+                    for alias in node.names:
+                        if not _is_radarlab_module(f"{node.module}.{alias.name}"):
+                            found[alias.name].add(nb_path.name)
+    return found
+
+
+def test_the_walk_sees_the_package():
+    """Guards the tests below against passing on an empty walk."""
+    names = {_dotted(p) for p in _modules()}
+    assert {"radarlab", "radarlab.util", "radarlab.hardware.roofline", "radarlab.attention.bench"} <= names
+    assert len(_notebook_imports()) > 20
+
+
+def test_module_file_names_are_unique():
+    by_name = defaultdict(list)
+    for path in _modules():
+        if path.stem not in NOT_NAMES:
+            by_name[path.stem].append(str(path.relative_to(ROOT)))
+    clashes = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    assert not clashes, f"modules sharing a file name: {clashes}"
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A _name is its module's own business: used from elsewhere, it is public in all but name."""
+    bad = []
+    for path in _modules():
+        here = _dotted(path)
+        for node in ast.walk(_tree(path)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            source = _absolute(node.module, node.level, path)
+            if source == here or source.split(".")[0] != "radarlab":  # another project's internals are its business
+                continue
+            bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {source}"
+                    for alias in node.names if _is_private(alias.name)]
+    assert not bad, "private names imported across modules (make them public, or move them):\n" + "\n".join(bad)
+
+
+def test_names_notebooks_import_have_one_home():
+    defined = defaultdict(list)
+    for path in _modules():
+        for name in _top_level_defs(path):
+            defined[name].append(_dotted(path))
+    imported = _notebook_imports()
+    twice = {name: defined[name] for name in sorted(imported) if len(defined[name]) > 1}
+    assert not twice, f"names the notebooks import, defined in more than one module: {twice}"
+
+
+def _package_map() -> dict[str, str]:
+    """README's "The package" block as {folder: its text}, "" for modules directly under radarlab/."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    block = re.search(r"## The package\s+```\n(.*?)```", text, re.S)
+    assert block, "README.md has no ``` block under '## The package'"
+    sections: dict[str, str] = defaultdict(str)
+    current = ""
+    for line in block.group(1).splitlines()[1:]:  # the first line is radarlab/ itself
+        folder = re.match(r"^  (\w+)/\s", line + " ")
+        if folder:
+            current = folder.group(1)
+        elif re.match(r"^  \S", line):  # a module directly under radarlab/
+            current = ""
+        sections[current] += line + "\n"
+    return sections
+
+
+def test_readme_package_map_lists_every_module():
+    sections = _package_map()
+    missing = []
+    for path in _modules():
+        if path.name == "__init__.py":
+            continue
+        rel = path.relative_to(PACKAGE)
+        folder = "/".join(rel.parts[:-1])
+        if not re.search(rf"(?<![\w/]){re.escape(path.name)}", sections.get(folder, "")):
+            missing.append(str(rel))
+    assert not missing, f"modules README's package map does not list (under their folder): {missing}"
+
+
+@pytest.mark.parametrize("importer, module, level, expected", [
+    ("radarlab/engine/engine.py", "kvcache.block_table", 2, "radarlab.kvcache.block_table"),
+    ("radarlab/engine/engine.py", "scheduler", 1, "radarlab.engine.scheduler"),
+    ("radarlab/engine/__init__.py", "engine", 1, "radarlab.engine.engine"),
+    ("radarlab/util.py", "radarlab.device", 0, "radarlab.device"),
+])
+def test_relative_imports_resolve(importer, module, level, expected):
+    assert _absolute(module, level, ROOT / importer) == expected
