@@ -5,7 +5,7 @@
 #
 # 1. The kernel and paged-cache tests, compiled (TRITON_INTERPRET unset, so radarlab leaves Triton
 #    in its compiled mode): the same tests that run under the interpreter on CPU, now on the GPU.
-# 2. `python -m radarlab.attention.bench` (check_kernels): the store-KV, decode and prefill kernels
+# 2. `python -m radarlab.attention.kernel_bench` (check_kernels): the store-KV, decode and prefill kernels
 #    against their torch counterparts at course-model heads (9 query heads over 3 KV heads, head_dim
 #    64, block size 16), in bf16 and fp32, then timed with triton.testing.do_bench (L2 flushed before
 #    every run); decode also shows the bandwidth it achieves on the bytes it must move. Exits 1 if a
@@ -33,4 +33,4 @@ fi
 
 echo "== 2. Triton kernels vs their torch references, timed =="
 # shellcheck disable=SC2086
-"$PY" -m radarlab.attention.bench ${BENCH_ARGS:-}
+"$PY" -m radarlab.attention.kernel_bench ${BENCH_ARGS:-}
