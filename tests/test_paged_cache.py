@@ -5,6 +5,8 @@ allocator and block tables live in radarlab.kvcache.blocks / block_table and hav
 """
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 
 import pytest
@@ -151,6 +153,24 @@ def test_attend_rejects_a_block_table_outside_the_pool_before_writing(backend):
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 4 is outside the pool"):
         cache.attend(0, torch.ones(5, 2, 8, device=cache.k.device), x, x, meta, 1.0)
     assert not cache.k.any()
+
+
+def test_prepare_validates_once_and_stamps_the_pool_geometry():
+    """A step's metadata is checked once against the pool (prepare) and frozen; a stamp for another
+    pool's geometry does not count, and an unstamped metadata is checked in attend itself."""
+    big, small = small_cache(block_size=4, num_blocks=8), small_cache(block_size=4, num_blocks=4)
+    meta = AttentionMetadata.from_lens([5], [5], slot_mapping=torch.tensor([0, 1, 2, 3, 20]),
+                                       block_tables=torch.tensor([[0, 5]], dtype=torch.int32))
+    checked = big.prepare(meta)
+    assert meta.checked_for is None and checked.checked_for == big.geometry
+    assert big.prepare(checked) is checked  # stamped for this pool: nothing to do
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        checked.block_tables = torch.tensor([[0, 7]], dtype=torch.int32)
+    x = torch.ones(5, 2, 8)
+    big.attend(0, x, x, x, checked, 1.0)
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is outside the pool"):
+        small.attend(0, x, x, x, checked, 1.0)  # stamped for the bigger pool: checked again, and refused
+    assert not small.k.any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
