@@ -136,24 +136,24 @@ def max_running(records: Sequence[StepRecord]) -> int:
     return max((r.num_running for r in records), default=0)
 
 
-def token_steps(records: Sequence[StepRecord]) -> dict[Hashable, list[int]]:
-    """For each request, the steps at which it got a new token, in order."""
-    out: dict[Hashable, list[int]] = {}
+def _per_sampled_token(records: Sequence[StepRecord], value) -> dict[Hashable, list]:
+    """For each request, value(record, work) of every step in which it sampled a token, in order."""
+    out: dict[Hashable, list] = {}
     for rec in records:
         for w in rec.scheduled:
             if w.sampled:
-                out.setdefault(w.request_id, []).append(rec.step)
+                out.setdefault(w.request_id, []).append(value(rec, w))
     return out
+
+
+def token_steps(records: Sequence[StepRecord]) -> dict[Hashable, list[int]]:
+    """For each request, the steps at which it got a new token, in order."""
+    return _per_sampled_token(records, lambda rec, w: rec.step)
 
 
 def output_token_ids(records: Sequence[StepRecord]) -> dict[Hashable, list[int]]:
     """For each request, the tokens it generated during the records, in order."""
-    out: dict[Hashable, list[int]] = {}
-    for rec in records:
-        for w in rec.scheduled:
-            if w.sampled:
-                out.setdefault(w.request_id, []).append(w.token)
-    return out
+    return _per_sampled_token(records, lambda rec, w: w.token)
 
 
 def token_times(records: Sequence[StepRecord]) -> dict[Hashable, list[float]]:
