@@ -10,7 +10,7 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate,
+    RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate,
 )
 from radarlab.bench.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
@@ -54,13 +54,13 @@ def test_lognormal_lengths_have_the_documented_mean_and_a_heavy_tail():
 
 
 # --- exact accounting on workloads small enough to follow by hand ------------------------------------
-# Three requests, max_model_len 8, block 4, a budget of 16 positions: 2 contiguous rows or 4 blocks.
+# Three requests, max_model_len 8, block 4, a budget of 16 positions: 2 max-length rows or 4 blocks.
 # A request fills at most prompt + output - 1 positions (its last token is never fed back).
 THREE = [Request(0, 3, 2), Request(1, 5, 3), Request(2, 1, 1)]
 
 
-def test_contiguous_accounting_by_hand():
-    res = simulate(THREE, contiguous(16, 8), max_model_len=8)
+def test_max_reservation_accounting_by_hand():
+    res = simulate(THREE, contiguous(16, "max"), max_model_len=8)
     # step 1: A(3) B(5) in two rows; C waits. step 2: A 4, B 6; A finishes. step 3: B 7, C admitted with 1.
     assert res.live == [8, 10, 8]
     assert res.reserved == [16, 16, 16]
@@ -112,7 +112,7 @@ def test_paged_preempts_the_newest_request_and_recomputes_it():
     assert res.tokens_computed == 10 and res.recomputed_tokens == 2
     assert res.summary()["concurrency"]["mean_while_queued"] == 1
     assert res.summary()["recompute_share"] == 2 / 10
-    rows = simulate(reqs, contiguous(8, 8), max_model_len=8)  # one row: strictly one after the other
+    rows = simulate(reqs, contiguous(8, "max"), max_model_len=8)  # one row: strictly one after the other
     assert rows.live == [2, 3, 4, 2, 3, 4] and rows.preemptions == 0 and rows.recomputed_tokens == 0
 
 
@@ -123,20 +123,35 @@ def test_the_token_budget_chunks_prompts_and_is_charged():
     assert res.live == [4, 8, 10, 11] and res.reserved == [4, 8, 12, 12]  # blocks follow the chunks
 
 
-def test_paged_beats_contiguous_on_the_workload():
+def test_oracle_and_pow2_reserve_what_their_rule_says():
+    """One request, prompt 3 + output 3 (fills 5 positions), max_model_len 16: max holds 16, pow2 8,
+    oracle 5, from the first step to the last."""
+    for rule, held in (("max", 16), ("pow2", 8), ("oracle", 5)):
+        res = simulate([Request(0, 3, 3)], contiguous(32, rule), max_model_len=16)
+        assert res.reserved == [held] * 3 and res.live == [3, 4, 5]
+        assert res.never_used == [held - 5] * 3 and res.future == [2, 1, 0]
+
+
+def test_the_paper_ordering_holds_on_the_workload():
+    """Max < Pow2 < Oracle < paged in utilisation and in concurrency (the vLLM paper's Fig. 2 ordering);
+    only the paged cache, which admits before it knows how long a request runs, preempts and recomputes."""
     results = run(SMALL)
-    c, p = results["contiguous"].summary(), results["paged"].summary()
-    assert p["utilisation"] > c["utilisation"]
-    assert p["concurrency"]["mean"] > c["concurrency"]["mean"]
-    assert p["concurrency"]["mean_while_queued"] > c["concurrency"]["mean_while_queued"]
-    assert c["concurrency"]["max"] == SMALL.budget_tokens // SMALL.workload.max_model_len
-    assert p["last_block_slack"]["mean_tokens_per_request"] <= SMALL.block_size - 1
-    for s in (c, p):  # live + reserved-for-future + never-used is all of the reserved memory
-        assert math.isclose(s["utilisation"] + s["waste"]["reserved_for_future"] + s["waste"]["never_used"], 1)
+    s = {name: res.summary() for name, res in results.items()}
+    order = ["max", "pow2", "oracle", "paged"]
+    assert list(s) == order
+    assert [s[n]["utilisation"] for n in order] == sorted(s[n]["utilisation"] for n in order)
+    assert [s[n]["concurrency"]["mean"] for n in order] == sorted(s[n]["concurrency"]["mean"] for n in order)
+    assert s["max"]["concurrency"]["max"] == SMALL.budget_tokens // SMALL.workload.max_model_len
+    assert s["oracle"]["waste"]["never_used"] == 0
+    assert all(s[n]["preemptions"] == 0 and s[n]["recomputed_tokens"] == 0 for n in RESERVATIONS)
+    assert s["paged"]["last_block_slack"]["mean_tokens_per_request"] <= SMALL.block_size - 1
     requests = make_workload(SMALL.workload)
-    for s in (c, p):  # every output token is sampled once, whatever was recomputed
-        assert s["tokens_sampled"] == sum(r.output_len for r in requests)
-        assert s["tokens_computed"] - s["recomputed_tokens"] == sum(r.max_cached_tokens for r in requests)
+    for summary in s.values():  # live + reserved-for-future + never-used is all of the reserved memory
+        assert math.isclose(summary["utilisation"] + summary["waste"]["reserved_for_future"]
+                            + summary["waste"]["never_used"], 1)
+        # every output token is sampled once, whatever was recomputed
+        assert summary["tokens_sampled"] == sum(r.output_len for r in requests)
+        assert summary["tokens_computed"] - summary["recomputed_tokens"] == sum(r.max_cached_tokens for r in requests)
 
 
 # --- JSON and the command line ---------------------------------------------------------------------
@@ -151,14 +166,14 @@ def _small_argv(tmp_path, *extra):
 def test_cli_writes_json_with_parameters_environment_and_results(tmp_path, capsys):
     assert bench_main(_small_argv(tmp_path)) == 0
     printed = capsys.readouterr().out
-    assert "utilisation (time-averaged)" in printed and "contiguous" in printed and "paged" in printed
+    assert "utilisation (time-averaged)" in printed and "oracle" in printed and "paged" in printed
     doc = json.loads((tmp_path / "out" / "mem.json").read_text())
     assert doc["benchmark"] == "memory"
     assert set(doc) >= {"parameters", "workload", "environment", "results", "goal"}
     assert doc["parameters"]["workload"] == SMALL.workload.as_dict()
     assert doc["parameters"]["block_size"] == 16 and doc["parameters"]["budget_tokens"] == 4096
     assert {"python", "torch", "device"} <= set(doc["environment"])
-    for name in ("contiguous", "paged"):
+    for name in ("max", "pow2", "oracle", "paged"):
         r = doc["results"][name]
         assert {"utilisation", "utilisation_at_peak", "waste", "concurrency", "steps", "preemptions"} <= set(r)
     assert doc["goal"]["paged_utilisation_min"] == 0.96
@@ -205,11 +220,11 @@ def test_simulate_rejects_requests_that_cannot_run():
     with pytest.raises(ValueError, match="more than max_model_len=8"):
         simulate([Request(0, 5, 5)], paged(16, 4), max_model_len=8)
     with pytest.raises(ValueError, match="output_len"):
-        simulate([Request(0, 3, 0)], contiguous(16, 8), max_model_len=8)
-    with pytest.raises(ValueError, match="no row"):
-        contiguous(7, 8)
-    with pytest.raises(ValueError, match="max_model_len must be a power of two"):
-        contiguous(64, 24)
+        simulate([Request(0, 3, 0)], contiguous(16), max_model_len=8)
+    with pytest.raises(ValueError, match="reserves 32 positions under the max rule"):
+        simulate([Request(0, 3, 3)], contiguous(16), max_model_len=32)
+    with pytest.raises(ValueError, match="rule must be one of"):
+        contiguous(64, "min")
 
 
 def test_chunked_prompt_blocks_follow_the_chunks():

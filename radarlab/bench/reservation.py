@@ -1,13 +1,17 @@
-"""Memory benchmark: how much of the reserved KV memory holds live tokens, contiguous vs paged, and
-what the engine computes to get there.
+"""Memory benchmark: how much of the reserved KV memory holds live tokens, reservation-based
+(contiguous) caches vs the paged cache, and what the engine computes to get there.
 
-Both caches get the same KV budget (in token positions) and serve the same workload
-(radarlab.bench.workload) through radarlab's own Scheduler and BlockSpaceManager: the loop that runs
-the engine, stepped without a model. They differ only in what a request reserves:
+Every cache gets the same KV budget (in token positions) and serves the same workload
+(radarlab.bench.workload) through radarlab's own Scheduler and block manager: the loop that runs the
+engine, stepped without a model. They differ only in what a request reserves. The three
+reservation-based caches are the baselines of the vLLM paper's Fig. 2 and 12 (Kwon et al. 2023,
+after Orca): a request reserves one contiguous run of positions at admission and keeps it to the end,
 
-- contiguous: a row of max_model_len positions from admission to finish, i.e. a block manager whose
-  blocks are max_model_len long (the vLLM paper's "Orca (Max)" baseline), so at most
-  budget // max_model_len requests run at once, however short they are;
+- max: max_model_len positions, however short the request ("Orca (Max)");
+- pow2: the next power of two above what it will fill, so up to 2x too much ("Orca (Pow2)");
+- oracle: exactly prompt + output - 1 positions, as if the output length were known in advance
+  ("Orca (Oracle)": impossible in practice, the best any reservation can do);
+
 - paged: blocks of block_size positions, taken only for the tokens each step computes (vLLM v1's
   allocate_slots). Prefix caching is off: the synthetic prompts share no tokens.
 
@@ -40,11 +44,13 @@ from radarlab.bench.workload import WorkloadRequest, WorkloadSpec, length_summar
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.params import SamplingParams
 from radarlab.engine.scheduler import Scheduler
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager, BlockTable
+from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.sequence import Sequence
 from radarlab.util import cdiv, require_int, require_power_of_two
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
-DEFAULT_BUDGET_TOKENS = 16 * 2048  # 16 contiguous rows of the default max_model_len
+DEFAULT_BUDGET_TOKENS = 16 * 2048  # 16 rows of the default max_model_len
 DEFAULT_MAX_NUM_SEQS = 256  # vLLM's default
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's default token budget per step with chunked prefill
 PAGED_UTILISATION_GOAL = 0.96
@@ -52,24 +58,28 @@ GOAL_SOURCE = "Kwon et al. 2023 (vLLM, SOSP): paged KV cache wastes under 4% of 
 COURSE_MODEL_KV = dict(layers=30, kv_heads=3, head_dim=64)  # SmolLM2-135M, to express the budget in bytes
 
 
+RESERVATIONS = ("max", "pow2", "oracle")  # the reservation-based caches, most wasteful first
+
+
 @dataclass(frozen=True)
 class Reservation:
-    """How a cache reserves KV memory, as a block manager: its name, block size and pool."""
+    """How a cache reserves KV memory: paged blocks of block_size taken as tokens are computed, or
+    (upfront in RESERVATIONS) one run of positions for the request's lifetime, reserved at admission."""
     name: str
     block_size: int
     num_blocks: int
+    upfront: str | None = None
 
     @property
     def capacity_tokens(self) -> int:
         return self.block_size * self.num_blocks
 
 
-def contiguous(budget_tokens: int, max_model_len: int) -> Reservation:
-    """One row of max_model_len positions per request: blocks as long as the context."""
-    num_rows = budget_tokens // max_model_len
-    if num_rows < 1:
-        raise ValueError(f"budget_tokens ({budget_tokens}) holds no row of max_model_len ({max_model_len}) positions")
-    return Reservation("contiguous", require_power_of_two("max_model_len", max_model_len), num_rows)
+def contiguous(budget_tokens: int, rule: str = "max") -> Reservation:
+    """A reservation-based cache of budget_tokens positions, reserving by `rule` (see RESERVATIONS)."""
+    if rule not in RESERVATIONS:
+        raise ValueError(f"rule must be one of {RESERVATIONS}, got {rule!r}")
+    return Reservation(rule, 1, require_int("budget_tokens", budget_tokens), rule)
 
 
 def paged(budget_tokens: int, block_size: int) -> Reservation:
@@ -77,6 +87,44 @@ def paged(budget_tokens: int, block_size: int) -> Reservation:
     if num_blocks < 1:
         raise ValueError(f"budget_tokens ({budget_tokens}) holds no block of block_size ({block_size}) positions")
     return Reservation("paged", block_size, num_blocks)
+
+
+class UpfrontBlockSpaceManager(BlockSpaceManager):
+    """A reservation-based cache as a block manager of one-token blocks: allocate takes every position
+    the request may ever fill (reserve(seq) of them) at once, so append_slots never needs a block and
+    nothing is ever preempted. The scheduler cannot tell it from the paged manager."""
+
+    def __init__(self, num_slots: int, reserve) -> None:
+        super().__init__(num_slots, 1, enable_prefix_caching=False)
+        self.reserve = reserve
+
+    def can_allocate(self, seq: Sequence) -> AllocStatus:
+        need = self.reserve(seq)
+        if need > self.num_blocks:
+            return AllocStatus.NEVER
+        return AllocStatus.OK if need <= self.num_free_blocks else AllocStatus.LATER
+
+    def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
+        if seq.seq_id in self.block_tables:
+            raise ValueError(f"sequence {seq.seq_id!r} already has a block table")
+        need = self.reserve(seq)
+        if need > self.num_free_blocks:
+            raise NoFreeBlocks(f"sequence {seq.seq_id!r} reserves {need} positions, {self.num_free_blocks} are free")
+        num_new = seq.num_tokens if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1,
+                                                                            seq.num_tokens)
+        self.block_tables[seq.seq_id] = BlockTable(1, self.allocator.allocate_many(need), num_new)
+        return 0
+
+
+def _manager(reservation: Reservation, workload: dict, max_model_len: int) -> BlockSpaceManager:
+    if reservation.upfront is None:
+        return BlockSpaceManager(reservation.num_blocks, reservation.block_size, enable_prefix_caching=False)
+
+    def reserve(seq: Sequence) -> int:
+        fills = workload[seq.seq_id].max_cached_tokens
+        return {"max": max_model_len, "oracle": fills,
+                "pow2": min(1 << (fills - 1).bit_length(), max_model_len)}[reservation.upfront]
+    return UpfrontBlockSpaceManager(reservation.num_blocks, reserve)
 
 
 @dataclass
@@ -171,12 +219,17 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
         if r.max_cached_tokens > reservation.capacity_tokens:
             raise ValueError(f"request {r.request_id} needs {r.max_cached_tokens} positions; the cache holds "
                              f"{reservation.capacity_tokens}, so it could never run")
-    manager = BlockSpaceManager(reservation.num_blocks, reservation.block_size, enable_prefix_caching=False)
+    workload = {r.request_id: r for r in requests}
+    manager = _manager(reservation, workload, max_model_len)
+    if isinstance(manager, UpfrontBlockSpaceManager):
+        for r in requests:
+            need = manager.reserve(Sequence(r.request_id, [0] * r.prompt_len))
+            if need > manager.num_blocks:
+                raise ValueError(f"request {r.request_id} reserves {need} positions under the {reservation.name} rule; "
+                                 f"the cache holds {manager.num_blocks}, so it could never run")
     scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len)
-    output_len = {}
     for r in requests:
         scheduler.add_request(Request(r.request_id, [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len)))
-        output_len[r.request_id] = r
     result = SimResult(reservation.name, reservation.capacity_tokens, sum(r.max_cached_tokens for r in requests))
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
@@ -184,7 +237,7 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
             raise RuntimeError(f"request {out.errored[0].request_id} could not run: {out.errored[0].error}")
         scheduler.update(out)
         result.preemptions += len(out.preempted)
-        _record(result, manager, scheduler, output_len, out.total_tokens)
+        _record(result, manager, scheduler, workload, out.total_tokens)
         done = [r for r in out.requests if r.num_computed_tokens == r.num_tokens]
         for request in done:  # what sampling would do; the workload fixes the output length
             request.append_token_ids([0])
@@ -255,16 +308,15 @@ class MemoryBenchConfig:
         if self.budget_tokens < self.workload.max_model_len:
             raise ValueError(f"budget_tokens ({self.budget_tokens}) must hold at least one request of max_model_len "
                              f"({self.workload.max_model_len}) positions (vLLM refuses to start otherwise)")
-        require_power_of_two("max_model_len (the contiguous row is one block of that many positions)",
-                             self.workload.max_model_len)
 
     @property
     def reservations(self) -> list[Reservation]:
-        return [contiguous(self.budget_tokens, self.workload.max_model_len), paged(self.budget_tokens, self.block_size)]
+        return [contiguous(self.budget_tokens, rule) for rule in RESERVATIONS] + [paged(self.budget_tokens,
+                                                                                         self.block_size)]
 
 
 def run(config: MemoryBenchConfig = MemoryBenchConfig()) -> dict[str, SimResult]:
-    """Simulate the workload on both caches; returns {"contiguous": SimResult, "paged": SimResult}."""
+    """Simulate the workload on every cache; returns {"max", "pow2", "oracle", "paged": SimResult}."""
     requests = make_workload(config.workload)
     return {r.name: simulate(requests, r, config.workload.max_model_len, config.max_num_seqs,
                              config.max_num_batched_tokens) for r in config.reservations}
@@ -350,7 +402,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-requests", type=int, default=spec.num_requests, help="requests in the workload (%(default)s)")
     parser.add_argument("--seed", type=int, default=spec.seed, help="workload seed (%(default)s)")
     parser.add_argument("--max-model-len", type=int, default=spec.max_model_len,
-                        help="longest request, prompt + output; the contiguous row size (%(default)s)")
+                        help="longest request, prompt + output; what a max reservation takes (%(default)s)")
     parser.add_argument("--prompt-mean", type=float, default=spec.prompt_mean, help="log-normal mean (%(default)s)")
     parser.add_argument("--prompt-sigma", type=float, default=spec.prompt_sigma, help="log-normal shape (%(default)s)")
     parser.add_argument("--output-mean", type=float, default=spec.output_mean, help="log-normal mean (%(default)s)")
