@@ -4,7 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.hardware.roofline import LLAMA_70B, TransformerDims, decode_step, intensity_limit, ridge_point
+from radarlab.hardware.roofline import (
+    LLAMA_70B, TransformerDims, decode_step, intensity_limit, preemption_cost, prefill_flops, ridge_point,
+    swap_recompute_crossover,
+)
 
 
 def test_llama_70b_shape_has_70b_parameters():
@@ -49,3 +52,28 @@ def test_bad_batch_names_the_field():
         decode_step(LLAMA_70B, 0, 10)
     with pytest.raises(ValueError, match="context"):
         decode_step(LLAMA_70B, 1, -1)
+
+
+# --- preemption: swap or recompute ------------------------------------------------------------------
+TINY = TransformerDims(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10)
+
+
+def test_prefill_flops_by_hand():
+    # layer weights: 2 * (8*4*(2*2 + 2*1) + 3*8*16) = 2 * (192 + 384) = 1152; LM head 80
+    # 3 tokens: 2*1152*3 + 4*2*2*4*(1+2+3) + 2*80 = 6912 + 384 + 160
+    assert prefill_flops(TINY, 3) == 6912 + 384 + 160
+
+
+def test_preemption_cost_and_crossover_agree():
+    link, flops = 1e9, 1e12
+    cross = swap_recompute_crossover(TINY, link, flops)
+    assert cross is not None
+    below, above = preemption_cost(TINY, int(cross * 0.9), link, flops), preemption_cost(TINY, int(cross * 1.1) + 1, link, flops)
+    assert below.cheaper == "recompute" and above.cheaper == "swap"
+    # KV of TINY in bf16: 2 layers * 1 head * 4 dims * 2 (K and V) * 2 bytes = 32 bytes a token, copied out and back
+    assert preemption_cost(TINY, 100, link, flops).swap_s == pytest.approx(2 * 100 * 32 / link)
+
+
+def test_a_slow_device_never_recomputes_and_a_fast_one_recomputes_short_contexts():
+    assert swap_recompute_crossover(TINY, link_bytes_per_s=1e12, flops_per_s=1e6) is None
+    assert preemption_cost(TINY, 10, 1e12, 1e6).cheaper == "swap"

@@ -235,3 +235,28 @@ def test_sampler_rows_are_independent_of_the_batch():
     batch = sample(logits, [params] * 4, [torch.Generator().manual_seed(s) for s in range(4)])
     alone = [sample(logits[i:i + 1], [params], [torch.Generator().manual_seed(i)])[0] for i in range(4)]
     assert batch == alone
+
+
+@pytest.mark.parametrize("watermark, admitted", [(0.0, True), (0.25, False)])
+def test_watermark_keeps_blocks_free_for_the_running(watermark, admitted):
+    """vLLM's watermark: a new request is admitted only if watermark * num_blocks blocks stay free
+    for the requests already running (here 2 of 8)."""
+    manager, sched = make(num_blocks=8, block_size=4, watermark=watermark)
+    sched.add_request(req("a", 8))
+    run_step(sched)  # a holds 2 blocks, 6 are free
+    sched.add_request(req("b", 20, start=50))  # 5 blocks: fits, but not with 2 kept free
+    out = run_step(sched)
+    assert ("b" in [r.request_id for r in out.requests]) is admitted
+
+
+def test_watermark_does_not_apply_to_a_lone_request():
+    manager, sched = make(num_blocks=8, block_size=4, watermark=0.5)
+    sched.add_request(req("a", 30))  # 8 blocks: the whole pool, nothing else runs
+    out = run_step(sched)
+    assert [r.request_id for r in out.requests] == ["a"]
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.0, float("nan"), "0.1"])
+def test_watermark_must_be_a_fraction(bad):
+    with pytest.raises(ValueError, match="watermark"):
+        make(watermark=bad)

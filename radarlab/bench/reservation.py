@@ -204,7 +204,7 @@ def _mean(values: list[int]) -> float | None:
 
 def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_model_len: int,
              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS) -> SimResult:
+             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, watermark: float = 0.0) -> SimResult:
     """Serve all requests (arrived at step 0) through the real Scheduler with one cache's reservation
     rule, stepping without a model; see the module docstring."""
     if not requests:
@@ -227,7 +227,7 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
             if need > manager.num_blocks:
                 raise ValueError(f"request {r.request_id} reserves {need} positions under the {reservation.name} rule; "
                                  f"the cache holds {manager.num_blocks}, so it could never run")
-    scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+    scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
     for r in requests:
         scheduler.add_request(Request(r.request_id, [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len)))
     result = SimResult(reservation.name, reservation.capacity_tokens, sum(r.max_cached_tokens for r in requests))
@@ -288,6 +288,23 @@ def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int, block_si
         held.append(len(manager.get_block_table(request)))
     return {"computed_tokens": computed, "written": [cdiv(c, block_size) for c in computed],
             "held_scheduled_only": held, "held_whole_prompt": [cdiv(prompt_len, block_size)] * len(computed)}
+
+
+def thrash_sweep(requests: list[WorkloadRequest], reservation: Reservation, max_model_len: int,
+                 max_num_seqs_values, watermarks, max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+                 ) -> list[dict]:
+    """Preemptions, recompute share, steps and concurrency for each (max_num_seqs, watermark): the two
+    knobs vLLM offers against thrashing, where admitted requests evict each other and recompute."""
+    rows = []
+    for max_num_seqs in max_num_seqs_values:
+        for watermark in watermarks:
+            s = simulate(requests, reservation, max_model_len, max_num_seqs, max_num_batched_tokens,
+                         watermark).summary()
+            rows.append({"max_num_seqs": max_num_seqs, "watermark": watermark, "preemptions": s["preemptions"],
+                         "recompute_share": s["recompute_share"], "tokens_computed": s["tokens_computed"],
+                         "steps": s["steps"], "concurrency_mean": s["concurrency"]["mean"],
+                         "utilisation": s["utilisation"]})
+    return rows
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ class RequestOutput:
 class Engine:
     def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, backend: str = "torch",
-                 enable_prefix_caching: bool = True, eos_token_id: int | None = None) -> None:
+                 enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0) -> None:
         cfg = model.config
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -56,7 +56,7 @@ class Engine:
         self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
                                             backend=backend)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self._ids = itertools.count()

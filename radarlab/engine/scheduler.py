@@ -20,7 +20,7 @@ from typing import Hashable
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager
 from radarlab.kvcache.blocks import NoFreeBlocks
-from radarlab.util import require_int
+from radarlab.util import require_int, require_number
 
 
 @dataclass
@@ -41,10 +41,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, manager: BlockSpaceManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
-                 max_model_len: int = 2048) -> None:
+                 max_model_len: int = 2048, watermark: float = 0.0) -> None:
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)]:
             require_int(name, value)
+        if not 0.0 <= require_number("watermark", watermark) < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), a fraction of the pool, got {watermark!r}")
+        # vLLM's SchedulerConfig.watermark: blocks kept free when admitting, so the running requests can
+        # grow a while before anyone is preempted. Applied only when the step already runs something.
+        self.watermark_blocks = int(watermark * manager.num_blocks)
         self.manager = manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -118,7 +123,8 @@ class Scheduler:
             request = self.waiting[0]
             if len(self.running) + request.num_seats > self.max_num_seqs:
                 break
-            status = self.manager.can_allocate(request)  # the whole request must fit (reserve_full_isl)
+            # the whole request must fit (reserve_full_isl), leaving the watermark to the running requests
+            status = self.manager.can_allocate(request, self.watermark_blocks if out.requests else 0)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
                 self._finish_error(request, f"{request.num_tokens} tokens need more blocks than the whole pool "

@@ -17,6 +17,7 @@ timing real decode steps against this model, is radarlab.hardware.measure's job.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from radarlab.kvcache.memory import kv_bytes_per_token
@@ -139,3 +140,59 @@ def intensity_limit(dims: TransformerDims, context: int, weight_dtype: str = "bf
 def ridge_point(peak_flops: float, bandwidth: float) -> float:
     """FLOP/byte at which a chip turns from memory-bound to compute-bound."""
     return peak_flops / bandwidth
+
+
+# ---------------------------------------------------------------------------------------------------
+# Preemption: swap the KV out and back, or drop it and recompute?
+
+def prefill_flops(dims: TransformerDims, context: int) -> float:
+    """FLOPs of one prefill over `context` tokens: 2 per layer weight per token, causal attention
+    (token t attends to t + 1 positions: QK^T and PV are 4 * layers * heads * head_dim FLOPs per
+    pair, about 2 * layers * heads * head_dim * context**2 in all), and the LM head for the last
+    token only."""
+    context = require_int("context", context)
+    layer_weights = dims.matmul_params - dims.vocab * dims.hidden
+    pairs = context * (context + 1) / 2
+    return 2 * layer_weights * context + 4 * dims.layers * dims.heads * dims.head_dim * pairs + 2 * dims.vocab * dims.hidden
+
+
+@dataclass(frozen=True)
+class PreemptionCost:
+    """Seconds to bring back a preempted request of `context` tokens, two ways. Swap copies its KV to
+    host memory and back over the link (2 x KV bytes); recompute runs its prefill again."""
+    context: int
+    kv_bytes: float
+    swap_s: float
+    recompute_s: float
+
+    @property
+    def cheaper(self) -> str:
+        return "swap" if self.swap_s < self.recompute_s else "recompute"
+
+
+def preemption_cost(dims: TransformerDims, context: int, link_bytes_per_s: float, flops_per_s: float,
+                    kv_dtype: str = "bf16") -> PreemptionCost:
+    """Roofline estimates: the copy runs at the link's bandwidth, the prefill at the device's FLOP/s
+    (a prefill is compute-bound), with no overlap and no fixed costs."""
+    kv = require_int("context", context) * kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype)
+    return PreemptionCost(context, kv, 2 * kv / link_bytes_per_s, prefill_flops(dims, context) / flops_per_s)
+
+
+def swap_recompute_crossover(dims: TransformerDims, link_bytes_per_s: float, flops_per_s: float,
+                             kv_dtype: str = "bf16") -> float | None:
+    """The context length above which swapping beats recomputing, or None if swapping wins at any length.
+
+    Per token, swap costs a constant 2 * kv_bytes_per_token / link, while recompute costs
+    2 * weights / flops plus an attention term that grows with the context. So recompute wins for short
+    contexts only if its per-token weight FLOPs are cheaper than the copy; the crossover is where the
+    two totals meet (the positive root of a quadratic)."""
+    kv = kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype)
+    layer_weights = dims.matmul_params - dims.vocab * dims.hidden
+    # recompute(n) - swap(n) = a n^2 + b n + c, from prefill_flops; swap(n) = 2 kv n / link
+    a = 2 * dims.layers * dims.heads * dims.head_dim / flops_per_s
+    b = (2 * layer_weights + 2 * dims.layers * dims.heads * dims.head_dim) / flops_per_s - 2 * kv / link_bytes_per_s
+    c = 2 * dims.vocab * dims.hidden / flops_per_s
+    disc = b * b - 4 * a * c
+    if b >= 0 or disc < 0:
+        return None  # recompute costs more than the copy at every length
+    return (-b + math.sqrt(disc)) / (2 * a)

@@ -118,13 +118,15 @@ class BlockSpaceManager:
         hit = self.allocator.find_longest_cache_hit(hashes)
         return hit, len(hit) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> AllocStatus:
-        """Could the whole sequence (prompt, and outputs so far after a preemption) have blocks now?"""
+    def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> AllocStatus:
+        """Could the whole sequence (prompt, and outputs so far after a preemption) have blocks now,
+        leaving watermark_blocks free for the requests already running (vLLM's watermark)?"""
         num_required = cdiv(seq.num_tokens, self.block_size)
         if num_required > self.num_blocks:
             return AllocStatus.NEVER
         hit, _ = self.get_computed_blocks(seq)
-        return AllocStatus.OK if self._blocks_to_take(num_required, hit) <= self.num_free_blocks else AllocStatus.LATER
+        needed = self._blocks_to_take(num_required, hit) + watermark_blocks
+        return AllocStatus.OK if needed <= self.num_free_blocks else AllocStatus.LATER
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
         """Admit a sequence: adopt its prefix-cache hit, then reserve slots for the next num_new_tokens
