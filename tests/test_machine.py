@@ -2,7 +2,7 @@
 
 The samples are trimmed /proc/cpuinfo of the three x86 kinds the course ran on (flags lines cut to
 the ones around what matters, two processors each as the real file has) and one aarch64 machine.
-No vLLM needed.
+No vLLM needed; the worker's own copy of the rules is checked against these too.
 """
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 from radarlab.hardware import machine
 from radarlab.hardware.machine import (ATTENTION_ISAS, X86_FLAGS, attention_isas_supported, cpu_arch, cpu_flags,
                                        cpu_kind, cpu_model, environment, isa_missing, parse_cpuinfo)
+from radarlab.validate import vllm_worker
 
 
 def _two_processors(model: str, flags: str) -> str:
@@ -99,6 +100,20 @@ def test_without_proc_cpuinfo_torch_answers(monkeypatch):
     assert flags["avx2"] and flags["avx512f"] and not flags["avx512_bf16"] and not flags["amx_tile"]
     assert cpu_kind(flags, "x86_64") == "avx512"
     assert cpu_model() == "Some CPU"
+
+
+@pytest.mark.parametrize("text, arch", [(AVX2_ONLY, "x86_64"), (AVX512_BF16, "x86_64"), (AMX, "x86_64"),
+                                        (AARCH64, "aarch64")])
+def test_worker_copy_agrees(text, arch):
+    """vllm_worker cannot import radarlab, so it carries its own reader and ISA table: same answers."""
+    flags = cpu_flags(text)
+    assert vllm_worker._parse_cpu_flags(text) == flags
+    assert list(vllm_worker.ATTENTION_ISAS) == list(ATTENTION_ISAS)
+    for isa in ATTENTION_ISAS:
+        assert vllm_worker.isa_missing(isa, flags, arch) == isa_missing(isa, flags, arch), isa
+        rule, theirs = ATTENTION_ISAS[isa], vllm_worker.ATTENTION_ISAS[isa]
+        assert (rule.dtypes, rule.block_multiple, rule.head_multiple) == (
+            theirs["dtypes"], theirs["block_multiple"], theirs["head_multiple"]), isa
 
 
 def test_this_machine():

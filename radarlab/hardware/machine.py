@@ -9,6 +9,10 @@ process asks for AMX tile state. So every comparison with vLLM records the CPU k
 The flags come from /proc/cpuinfo on Linux (what the kernel lets programs use); elsewhere from
 torch's CPU capability map (what the CPU reports). The parsers take the text as an argument, so they
 can be tested on other machines' cpuinfo.
+
+radarlab/validate/vllm_worker.py keeps its own few-line copy of the flag reader and of
+ATTENTION_ISAS, because it runs in vLLM's environment, where radarlab is not installed;
+tests/test_machine.py holds the two copies to the same answers.
 """
 from __future__ import annotations
 
