@@ -20,7 +20,7 @@ from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.validate import vllm_worker
 from radarlab.validate.vllm_paged import (
     BACKENDS, ENGINE_BLOCK_SIZE, FP32_TOL, ISA_BLOCK_SIZE, ISA_MODES, MODES, attention_case, attention_cases,
-    attention_op_request, compare_attention, compare_greedy_outputs, isa_cases, isa_dtypes, op_tolerance,
+    attention_op_request, compare_attention, compare_greedy_outputs, isa_cases, isa_dtypes, op_rows, op_tolerance,
     our_attention, our_prefix_run, prefix_workload, run_paged_session, vllm_prefix_counts,
 )
 from radarlab.validate.vllm import LOGPROB_TOL, VLLMError, run_vllm, vllm_python
@@ -130,6 +130,21 @@ def test_worker_reports_the_cpu_and_vllm_chooses_by_it(session, cases):
     for case, isa in zip(cases, session.isas[:len(cases)]):
         bf16_amx = amx and case["query"].dtype == torch.bfloat16 and case["block_size"] % 32 == 0
         assert isa == ("amx" if bf16_amx else "vec" if case["block_size"] % 32 == 0 else "vec16"), case["mode"]
+
+
+def test_op_rows_show_the_isa_and_cpu_kind(cases):
+    """Rows group by ISA and say how it was chosen and on which CPU; the JSON details carry both."""
+    auto, named = attention_case("decode", 32), attention_case("decode", 32, isa="vec16")
+    out = our_attention(auto)
+    wrong = out + 1.0
+    comparisons = compare_attention([auto, named], [out, wrong], ["vec", "vec16"], backends=("torch",))
+    rows = op_rows(comparisons, "vLLM x.y (cpu) _C", "avx512_bf16")
+    assert [r.check for r in rows] == ["paged attention op, decode fp32, isa vec (auto) on avx512_bf16, blocks 32",
+                                       "paged attention op, decode fp32, isa vec16 (by name) on avx512_bf16, blocks 32"]
+    assert [r.passed for r in rows] == [True, False]  # a wrong output fails its own row only
+    assert rows[1].details["isa"] == "vec16" and rows[1].details["cpu_kind"] == "avx512_bf16"
+    assert rows[1].details["requested"] == ["vec16"]
+    assert json.loads(json.dumps(rows[0].as_dict()))["details"]["block_sizes"] == [32]
 
 
 # --- asking for a kernel this CPU lacks: a clear error, never SIGILL --------------------------------

@@ -359,14 +359,16 @@ def _fmt_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
 
 
-def op_rows(comparisons: list[OpComparison], ref: str) -> list[Row]:
-    """One row per (dtype, mode): the worst case over block sizes, per backend."""
+def op_rows(comparisons: list[OpComparison], ref: str, kind: str = "") -> list[Row]:
+    """One row per (dtype, mode, ISA): the worst case over block sizes, per backend. kind: the CPU kind
+    the ops ran on (cpu_kind()), shown beside the ISA since it decides which ISAs exist."""
     rows = []
-    keys = dict.fromkeys((c.dtype, c.mode) for c in comparisons)
-    for dtype, mode in keys:
-        group = [c for c in comparisons if c.dtype == dtype and c.mode == mode]
-        sizes = "/".join(str(s) for s in dict.fromkeys(c.block_size for c in group))
-        isas = "/".join(dict.fromkeys(c.isa for c in group))
+    keys = dict.fromkeys((c.dtype, c.mode, c.isa) for c in comparisons)
+    on = f" on {kind}" if kind else ""
+    for dtype, mode, isa in keys:
+        group = [c for c in comparisons if (c.dtype, c.mode, c.isa) == (dtype, mode, isa)]
+        sizes = list(dict.fromkeys(c.block_size for c in group))
+        requested = list(dict.fromkeys(c.requested for c in group))
         backends = dict.fromkeys(c.backend for c in group)
         worst = {b: max(c.max_abs_err for c in group if c.backend == b) for b in backends}
         measured = ", ".join(f"{b} {e:.1e}" for b, e in worst.items())
@@ -374,9 +376,13 @@ def op_rows(comparisons: list[OpComparison], ref: str) -> list[Row]:
             criterion = f"<= {FP32_TOL:g}"
         else:
             criterion = f"<= 1 {_fmt_dtype(dtype)} step at max |out| ({min(c.tol for c in group):.1e})"
-        rows.append(Row(f"paged attention op, {mode} {_fmt_dtype(dtype)}, blocks {sizes}",
-                        f"{ref} cpu_attention_with_kv_cache ({isas})", f"max |dout| {measured}",
-                        criterion, all(c.passed for c in group)))
+        asked = "by name" if requested == [isa] else "auto" if requested == ["auto"] else "auto and by name"
+        rows.append(Row(f"paged attention op, {mode} {_fmt_dtype(dtype)}, isa {isa} ({asked}){on}, "
+                        f"blocks {'/'.join(map(str, sizes))}",
+                        f"{ref} cpu_attention_with_kv_cache", f"max |dout| {measured}",
+                        criterion, all(c.passed for c in group),
+                        {"isa": isa, "requested": requested, "cpu_kind": kind or None, "mode": mode,
+                         "dtype": _fmt_dtype(dtype), "block_sizes": sizes, "max_abs_err": worst}))
     return rows
 
 
@@ -387,11 +393,12 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate
 
-    cases = attention_cases()
+    cases = attention_cases() + isa_cases()
     session = run_paged_session(prompts, prefix_batches, cases, max_new_tokens, prefix_new_tokens, k, block_size,
                                 timeout)
     ref = session.vllm
-    out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), ref)
+    out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), f"{ref} {session.extension}",
+                  session.cpu_kind)
 
     theirs = session.generate["outputs"]
 
