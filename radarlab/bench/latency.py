@@ -280,7 +280,7 @@ def report(config: LatencyBenchConfig, results: list[dict], num_blocks: int | No
     """The JSON document."""
     import torch
 
-    from radarlab.bench.report import environment
+    from radarlab.hardware.machine import environment
 
     params = {
         "rates_req_s": list(config.rates),

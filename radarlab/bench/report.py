@@ -1,31 +1,8 @@
-"""What every benchmark's JSON carries besides its results: where it ran, and how it is written."""
+"""How every benchmark's JSON is written. Where it ran (environment()) lives in radarlab.hardware.machine."""
 from __future__ import annotations
 
 import json
-import platform
-import sys
 from pathlib import Path
-
-
-def environment() -> dict:
-    """Versions and the device, so a figure can be traced to the machine that produced it."""
-    import numpy
-    import torch
-
-    import radarlab
-    from radarlab.device import device_info
-
-    info = device_info()
-    return {
-        "radarlab": radarlab.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(terse=True),
-        "torch": torch.__version__,
-        "numpy": numpy.__version__,
-        "device": info.device,
-        "device_name": info.name,
-        "full_scale": info.full_scale,
-    }
 
 
 def write_json(path: str | Path, payload: dict) -> Path:

@@ -341,7 +341,7 @@ def run(config: MemoryBenchConfig = MemoryBenchConfig()) -> dict[str, SimResult]
 
 def report(config: MemoryBenchConfig, results: dict[str, SimResult]) -> dict:
     """The JSON document: parameters, workload statistics, environment, results and the goal."""
-    from radarlab.bench.report import environment
+    from radarlab.hardware.machine import environment
     from radarlab.kvcache.memory import kv_bytes_per_token
 
     requests = make_workload(config.workload)

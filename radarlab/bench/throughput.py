@@ -237,7 +237,7 @@ def goal(measurements: list[Measurement]) -> dict:
 
 
 def report(config: ThroughputConfig, measurements: list[Measurement], info: dict) -> dict:
-    from radarlab.bench.report import environment
+    from radarlab.hardware.machine import environment
 
     import torch
 

@@ -1,5 +1,8 @@
 """`python -m radarlab.validate [--json PATH] [--skip-vllm]`: every check against its reference, one table.
 
+--json writes the rows (each with its details, e.g. the vLLM attention kernel and CPU kind of an op
+row) and a "machine" entry: versions, device, CPU model, kind and flags.
+
 Exits non-zero if any check fails. Without a vLLM environment the vLLM rows fail (and say how to
 install it) unless --skip-vllm is given.
 """
@@ -45,8 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(not r.passed for r in rows)
     print(f"{len(rows) - failed} passed, {failed} failed  ({time.perf_counter() - start:.0f} s)")
     if args.json:
+        from radarlab.hardware.machine import environment
+
+        # The machine with the rows: which vLLM kernels ran (rows' details) depends on its CPU.
         with open(args.json, "w") as f:
-            json.dump({"rows": [r.as_dict() for r in rows], "passed": failed == 0}, f, indent=2)
+            json.dump({"rows": [r.as_dict() for r in rows], "passed": failed == 0, "machine": environment()}, f,
+                      indent=2)
     return 1 if failed else 0
 
 

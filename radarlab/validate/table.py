@@ -1,7 +1,7 @@
 """One row of the validation table, and how the table prints."""
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 
 @dataclass
@@ -11,6 +11,9 @@ class Row:
     measured: str  # the figure, e.g. "max |dlogit| 3.1e-05"
     criterion: str  # what passing means, e.g. "< 1e-4"
     passed: bool
+    # What the row was measured on, for readers of the JSON (e.g. {"isa": "vec", "cpu_kind": "avx2"});
+    # the table shows what matters of it in the other columns.
+    details: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -6,7 +6,9 @@ Three comparisons, all at a block size vLLM's CPU build accepts:
    slot mapping and write them with their own reshape_and_cache; then both attend with the same
    block tables, seq_lens and query_start_loc, and we compare the outputs. Decode, prefill and
    chunked prefill; GQA 9/3 x 64 like the course model; random block tables; lengths 1, below,
-   at and past a block.
+   at and past a block. First with the kernel vLLM picks itself ("auto", as its engine does), then
+   with every kernel ("ISA": vec, vec16, amx) this CPU can run, asked for by name, since which one
+   vLLM picks depends on the CPU (radarlab.hardware.machine).
 2. The course model on PagedKVCache + BlockSpaceManager, greedy, against vLLM's engine with the same
    block size, by vLLM's own rule (compare.py).
 3. Prefix caching on a shared-prefix workload sent in two batches: per request, the prompt tokens each
@@ -30,6 +32,7 @@ from pathlib import Path
 import torch
 
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.hardware.machine import ATTENTION_ISAS, attention_isas_supported, cpu_kind
 from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
@@ -43,6 +46,10 @@ ENGINE_BLOCK_SIZE = 32
 OP_BLOCK_SIZES = (16, 32)
 OP_DTYPES = (torch.float32, torch.bfloat16)
 BACKENDS = ("torch", "triton")
+# The ISA sweep: every kernel this CPU runs, at a block size all of them take (vec and amx need
+# multiples of 32), on the two modes that differ most.
+ISA_BLOCK_SIZE = 32
+ISA_MODES = ("decode", "prefill")
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 9, 3, 64  # the course model's attention shape
 
 # (seq_lens, query_lens) per mode. Each sequence's queries are its last query_len tokens.
@@ -75,15 +82,19 @@ def op_tolerance(vllm_output: torch.Tensor) -> float:
 # --------------------------------------------------------------------------------------------------
 # 1. The attention op
 # --------------------------------------------------------------------------------------------------
-def attention_case(mode: str, block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+def attention_case(mode: str, block_size: int, dtype: torch.dtype = torch.float32, seed: int = 0,
+                   isa: str = "auto") -> dict:
     """Inputs for one batch, in the format vllm_worker's attention_op reads.
 
     key/value hold every context token of every sequence, written at slot_mapping; two extra rows
     with slot -1 (padding) must be skipped by both writes. Block tables are random blocks of a pool
-    with spare blocks, padded with 0 as vLLM pads them.
+    with spare blocks, padded with 0 as vLLM pads them. isa: vLLM's kernel for the case ("auto": its
+    own choice).
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}, got {mode!r}")
+    if isa != "auto" and isa not in ATTENTION_ISAS:
+        raise ValueError(f"isa must be 'auto' or one of {list(ATTENTION_ISAS)}, got {isa!r}")
     seq_lens, query_lens = MODES[mode]
     gen = torch.Generator().manual_seed(seed)
     needed = [cdiv(n, block_size) for n in seq_lens]
@@ -116,11 +127,28 @@ def attention_case(mode: str, block_size: int, dtype: torch.dtype = torch.float3
         "block_size": block_size,
         "num_blocks": num_blocks,
         "scale": HEAD_DIM ** -0.5,
+        # only when named: a case without "isa" runs whatever the request asks for (default auto)
+        **({} if isa == "auto" else {"isa": isa}),
     }
 
 
 def attention_cases(block_sizes=OP_BLOCK_SIZES, dtypes=OP_DTYPES, modes=tuple(MODES), seed: int = 0) -> list[dict]:
     return [attention_case(m, bs, dt, seed) for dt in dtypes for bs in block_sizes for m in modes]
+
+
+def isa_dtypes(isa: str, dtypes=OP_DTYPES) -> list[torch.dtype]:
+    """Those of dtypes that vLLM's kernel `isa` takes (amx: bf16 only)."""
+    takes = ATTENTION_ISAS[isa].dtypes
+    return [dt for dt in dtypes if takes is None or str(dt).removeprefix("torch.") in takes]
+
+
+def isa_cases(isas: list[str] | None = None, dtypes=OP_DTYPES, modes=ISA_MODES, block_size: int = ISA_BLOCK_SIZE,
+              seed: int = 0) -> list[dict]:
+    """One case per (ISA, dtype it takes, mode), each asking vLLM for that kernel by name. isas: default
+    every one this CPU can run (attention_isas_supported())."""
+    isas = attention_isas_supported() if isas is None else isas
+    return [attention_case(m, block_size, dt, seed, isa) for isa in isas for dt in isa_dtypes(isa, dtypes)
+            for m in modes]
 
 
 def our_attention(case: dict, backend: str = "torch") -> torch.Tensor:
@@ -150,6 +178,7 @@ class OpComparison:
     isa: str  # which of vLLM's CPU kernels ran ("vec", "vec16", "amx", ...)
     max_abs_err: float
     tol: float  # op_tolerance of vLLM's output
+    requested: str = "auto"  # what the case asked for: "auto" (vLLM's choice) or the ISA by name
 
     @property
     def passed(self) -> bool:
@@ -161,8 +190,8 @@ def attention_op_request(cases: list[dict], workdir: str | Path) -> tuple[dict, 
     workdir = Path(workdir)
     inputs, outputs = workdir / "attention_cases.pt", workdir / "attention_outputs.pt"
     keep = ("query", "key", "value", "slot_mapping", "block_table", "seq_lens", "query_start_loc",
-            "block_size", "num_blocks", "scale")
-    torch.save([{k: c[k] for k in keep} for c in cases], inputs)
+            "block_size", "num_blocks", "scale", "isa")
+    torch.save([{k: c[k] for k in keep if k in c} for c in cases], inputs)
     return {"kind": "attention_op", "inputs": str(inputs), "outputs": str(outputs)}, outputs
 
 
@@ -181,7 +210,7 @@ def compare_attention(cases: list[dict], vllm_outputs: list[torch.Tensor], isas:
                                  f"vLLM's {tuple(theirs.shape)}")
             err = (ours.float() - theirs.float()).abs().max().item()
             results.append(OpComparison(case["mode"], dtype, case["block_size"], backend, isa, err,
-                                        op_tolerance(theirs)))
+                                        op_tolerance(theirs), case.get("isa", "auto")))
     return results
 
 
@@ -282,6 +311,13 @@ class PagedSession:
     generate: dict  # the generate response: validation prompts, then the prefix batches
     num_prompts: int  # how many of generate's outputs are the validation prompts
     vllm: str  # "vLLM 0.32.0 (cpu)"
+    cpu: dict  # where the op ran, as the worker read it: {"arch", "flags"}
+    extension: str | None  # vLLM's library the worker loaded: "_C", "_C_AVX512" or "_C_AVX2"
+
+    @property
+    def cpu_kind(self) -> str:
+        """The CPU's kind: "avx2", "avx512", "avx512_bf16" or "avx512_bf16_amx" (machine.cpu_kind)."""
+        return cpu_kind(self.cpu["flags"], self.cpu["arch"])
 
 
 def run_paged_session(prompts: list[list[int]], prefix_batches: list[list[list[int]]], cases: list[dict],
@@ -301,7 +337,8 @@ def run_paged_session(prompts: list[list[int]], prefix_batches: list[list[list[i
         vllm_outputs = torch.load(outputs_path, weights_only=True)
     op_response, gen_response = response["responses"]
     return PagedSession(cases, vllm_outputs, [c["isa"] for c in op_response["cases"]], gen_response, len(prompts),
-                        f"vLLM {response['vllm_version']} ({response['device']})")
+                        f"vLLM {response['vllm_version']} ({response['device']})", op_response["cpu"],
+                        op_response["extension"])
 
 
 def compare_greedy_outputs(model, prompts, ours, theirs, k: int = 5):
@@ -322,14 +359,16 @@ def _fmt_dtype(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.").replace("float32", "fp32").replace("bfloat16", "bf16")
 
 
-def op_rows(comparisons: list[OpComparison], ref: str) -> list[Row]:
-    """One row per (dtype, mode): the worst case over block sizes, per backend."""
+def op_rows(comparisons: list[OpComparison], ref: str, kind: str = "") -> list[Row]:
+    """One row per (dtype, mode, ISA): the worst case over block sizes, per backend. kind: the CPU kind
+    the ops ran on (cpu_kind()), shown beside the ISA since it decides which ISAs exist."""
     rows = []
-    keys = dict.fromkeys((c.dtype, c.mode) for c in comparisons)
-    for dtype, mode in keys:
-        group = [c for c in comparisons if c.dtype == dtype and c.mode == mode]
-        sizes = "/".join(str(s) for s in dict.fromkeys(c.block_size for c in group))
-        isas = "/".join(dict.fromkeys(c.isa for c in group))
+    keys = dict.fromkeys((c.dtype, c.mode, c.isa) for c in comparisons)
+    on = f" on {kind}" if kind else ""
+    for dtype, mode, isa in keys:
+        group = [c for c in comparisons if (c.dtype, c.mode, c.isa) == (dtype, mode, isa)]
+        sizes = list(dict.fromkeys(c.block_size for c in group))
+        requested = list(dict.fromkeys(c.requested for c in group))
         backends = dict.fromkeys(c.backend for c in group)
         worst = {b: max(c.max_abs_err for c in group if c.backend == b) for b in backends}
         measured = ", ".join(f"{b} {e:.1e}" for b, e in worst.items())
@@ -337,9 +376,13 @@ def op_rows(comparisons: list[OpComparison], ref: str) -> list[Row]:
             criterion = f"<= {FP32_TOL:g}"
         else:
             criterion = f"<= 1 {_fmt_dtype(dtype)} step at max |out| ({min(c.tol for c in group):.1e})"
-        rows.append(Row(f"paged attention op, {mode} {_fmt_dtype(dtype)}, blocks {sizes}",
-                        f"{ref} cpu_attention_with_kv_cache ({isas})", f"max |dout| {measured}",
-                        criterion, all(c.passed for c in group)))
+        asked = "by name" if requested == [isa] else "auto" if requested == ["auto"] else "auto and by name"
+        rows.append(Row(f"paged attention op, {mode} {_fmt_dtype(dtype)}, isa {isa} ({asked}){on}, "
+                        f"blocks {'/'.join(map(str, sizes))}",
+                        f"{ref} cpu_attention_with_kv_cache", f"max |dout| {measured}",
+                        criterion, all(c.passed for c in group),
+                        {"isa": isa, "requested": requested, "cpu_kind": kind or None, "mode": mode,
+                         "dtype": _fmt_dtype(dtype), "block_sizes": sizes, "max_abs_err": worst}))
     return rows
 
 
@@ -350,11 +393,12 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate
 
-    cases = attention_cases()
+    cases = attention_cases() + isa_cases()
     session = run_paged_session(prompts, prefix_batches, cases, max_new_tokens, prefix_new_tokens, k, block_size,
                                 timeout)
     ref = session.vllm
-    out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), ref)
+    out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), f"{ref} {session.extension}",
+                  session.cpu_kind)
 
     theirs = session.generate["outputs"]
 

@@ -49,26 +49,49 @@ served from the prefix cache}, ...] (all batches, in order),
 Token ids in logprob dicts are JSON strings. Metrics are llm.get_metrics() flattened to
 name -> number (counters, gauges; summed over labels), list (vectors) or {"count","sum"} (histograms).
 
-Attention-op request: {"version": 1, "kind": "attention_op", "inputs": PATH, "outputs": PATH}.
-PATH inputs is a torch.save'd list of cases, each a dict:
+Attention-op request: {"version": 1, "kind": "attention_op", "inputs": PATH, "outputs": PATH,
+"isa": "auto"}. PATH inputs is a torch.save'd list of cases, each a dict:
     query [T, H, D]  key, value [N, Hkv, D] (float32 | bfloat16 | float16, all one dtype)
     slot_mapping [N] (where key[i], value[i] go; -1 skips)   block_size, num_blocks (ints)
     block_table [B, max_blocks]   seq_lens [B]   query_start_loc [B+1]   scale (float)
+    isa (optional str): this case's kernel, overriding the request's "isa"
 For each case the worker makes an empty cache of num_blocks blocks in vLLM's CPU layout, writes
 key/value with cpu_attn_reshape_and_cache, builds the scheduler metadata as vLLM's
 CPUAttentionMetadataBuilder does (causal, no sliding window) and runs cpu_attention_with_kv_cache.
 The outputs [T, H, D] are torch.save'd as a list to PATH outputs; the response is {"ok": true,
-"vllm_version", "device", "request", "cases": [{"isa", "shape"}, ...], "run_s"}. The key cache's
-layout inside a block depends on the ISA (for "vec" each head's keys are stored transposed,
-[D, block_size]), which is why cases carry the new K/V rather than a filled cache. CPU build only.
+"vllm_version", "device", "request", "cases": [{"isa", "requested", "shape"}, ...] ("isa" is the
+kernel that ran, "requested" what the request or case asked for), "cpu": {"arch", "flags"},
+"extension", "run_s"}. "flags" are the x86 flags below as /proc/cpuinfo lists them; "extension" is
+the vLLM library current_platform.import_kernels() loaded ("_C", "_C_AVX512", "_C_AVX2"; null when
+it cannot be told). The key cache's layout inside a block depends on the ISA (for "vec" each head's
+keys are stored transposed, [D, block_size]), which is why cases carry the new K/V rather than a
+filled cache. CPU build only.
+
+The ISA ("isa"): "auto" is vLLM's own choice (_get_attn_isa, as the engine makes it), or one of
+vLLM's CPU attention kernels, which need (vLLM 0.32, cpu_attn.py and the C++ kernels behind it):
+    isa     CPU                                          dtypes              block_size, head_dim
+    vec     any; on x86 avx2                             fp32, bf16, fp16    multiples of 32
+    vec16   any; on x86 avx2                             fp32, bf16, fp16    multiples of 16
+    amx     x86 with avx512f, avx512_bf16, amx_tile,     bf16                multiples of 32
+            amx_bf16 (its kernels are built into _C only, the library loaded with AVX512-BF16)
+    neon, vxe, vsx, rvv   aarch64, s390x, ppc64le, riscv64 only; their limits are left to vLLM
+vLLM's auto choice: vec16 when head_dim is a multiple of 16 but not 32; else amx for bf16 with
+block_size % 32 == 0 where torch sees amx_tile; else (on x86) vec when block_size % 32 == 0, vec16
+otherwise. An ISA this CPU cannot run, or inputs it does not take, are refused with BadRequest naming
+the missing flag or the field, before any vLLM op runs: a kernel built for instructions the CPU lacks
+dies with SIGILL, not an error. Before an amx kernel runs, the worker asks Linux for AMX tile state
+(see _enable_amx).
 
 On failure: {"ok": false, "error": "..."} on stdout, the traceback on stderr, exit status 1.
 vLLM's own logging goes to stderr; stdout carries only the response.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+import platform
+import re
 import sys
 import time
 import traceback
@@ -106,13 +129,31 @@ DEFAULTS = {
     "llm_kwargs": {},
     "sampling_kwargs": {},
 }
-ATTENTION_OP_DEFAULTS = {"version": FORMAT_VERSION, "kind": "attention_op", "inputs": None, "outputs": None}
+ATTENTION_OP_DEFAULTS = {"version": FORMAT_VERSION, "kind": "attention_op", "inputs": None, "outputs": None,
+                         "isa": "auto"}
 SESSION_DEFAULTS = {"version": FORMAT_VERSION, "kind": "session", "requests": None}
 KINDS = ("generate", "attention_op", "session")
 DTYPES = {"float32", "bfloat16", "float16", "auto"}
 KV_CACHE_DTYPES = {"auto", "fp8", "fp8_e4m3", "fp8_e5m2"}
 CPU_MAX_MODEL_LEN = 2048  # what was seen working with the CPU build
 CPU_KV_CACHE_BYTES = 1 << 30
+
+# vLLM's CPU attention kernels and what each needs (the table in the docstring). radarlab keeps the
+# same rules in radarlab/hardware/machine.py, but this script runs in vLLM's environment and cannot
+# import radarlab; tests/test_machine.py checks that the two copies agree.
+_ALL_DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_ISAS = {
+    "vec": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 32, "head_multiple": 32},
+    "vec16": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 16, "head_multiple": 16},
+    "amx": {"arch": "x86_64", "x86_flags": ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"),
+            "dtypes": ("bfloat16",), "block_multiple": 32, "head_multiple": 32},
+    "neon": {"arch": "aarch64", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+    "vxe": {"arch": "s390x", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+    "vsx": {"arch": "ppc64le", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+    "rvv": {"arch": "riscv64", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+}
+ISA_CHOICES = ("auto", *ATTENTION_ISAS)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
 
 
 class BadRequest(ValueError):
@@ -162,7 +203,72 @@ def _normalize_attention_op(request: dict) -> dict:
     for name in ("inputs", "outputs"):
         if not isinstance(req[name], str) or not req[name]:
             raise BadRequest(f"{name} must be a file path (a non-empty string), got {req[name]!r}")
+    _check_isa(req["isa"], "isa")
     return req
+
+
+# --- the CPU: a minimal copy of radarlab.hardware.machine's reader (radarlab is not importable here) ---
+def _parse_cpu_flags(text: str) -> dict:
+    """CPU_FLAGS -> bool from /proc/cpuinfo text: the first "flags" (x86) or "Features" line."""
+    for line in text.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip().lower() in ("flags", "features"):
+            words = set(value.split())
+            return {f: f in words for f in CPU_FLAGS}
+    return {f: False for f in CPU_FLAGS}
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu() -> dict:
+    """{"arch", "flags"} of this machine: /proc/cpuinfo, else torch's capability map (macOS)."""
+    arch = platform.machine().lower()
+    arch = {"amd64": "x86_64", "arm64": "aarch64"}.get(arch, arch)
+    try:
+        with open("/proc/cpuinfo", errors="replace") as f:
+            flags = _parse_cpu_flags(f.read())
+    except OSError:
+        import torch
+
+        caps = torch._C._cpu._get_cpu_capability()
+        flags = {f: bool(caps.get("avx512_f" if f == "avx512f" else f, False)) for f in CPU_FLAGS}
+    return {"arch": arch, "flags": flags}
+
+
+def isa_missing(isa: str, flags: dict, arch: str) -> list:
+    """What a CPU with these flags and architecture lacks for attention kernel `isa` (empty: nothing)."""
+    rule = ATTENTION_ISAS[isa]
+    if rule["arch"] is not None and rule["arch"] != arch:
+        return [f"{rule['arch']} (this CPU is {arch})"]
+    if arch != "x86_64":
+        return []
+    return [f for f in rule["x86_flags"] if not flags.get(f, False)]
+
+
+def _check_isa(isa, where: str) -> None:
+    """BadRequest unless isa is "auto" or a kernel this CPU can run; the message names what is missing."""
+    if not isinstance(isa, str) or isa not in ISA_CHOICES:
+        raise BadRequest(f"{where} must be one of {list(ISA_CHOICES)}, got {isa!r}")
+    if isa == "auto":
+        return
+    cpu = _cpu()
+    missing = isa_missing(isa, cpu["flags"], cpu["arch"])
+    if missing:
+        can = [i for i in ATTENTION_ISAS if not isa_missing(i, cpu["flags"], cpu["arch"])]
+        sigill = " Running it would die with SIGILL (illegal instruction)." if cpu["arch"] == "x86_64" else ""
+        raise BadRequest(f"{where}: vLLM's {isa!r} attention kernel needs {', '.join(missing)}, which this CPU "
+                         f"lacks; it can run {can}.{sigill}")
+
+
+def _check_isa_fits(isa: str, dtype: str, block_size: int, head_dim: int, where: str) -> None:
+    """BadRequest unless kernel `isa` takes this dtype, block size and head size (None in the table:
+    left to vLLM)."""
+    rule = ATTENTION_ISAS[isa]
+    if rule["dtypes"] is not None and dtype not in rule["dtypes"]:
+        raise BadRequest(f"{where}: the {isa!r} kernel takes {', '.join(rule['dtypes'])} only, got {dtype}")
+    for name, value, multiple in (("block_size", block_size, rule["block_multiple"]),
+                                  ("head_dim", head_dim, rule["head_multiple"])):
+        if multiple is not None and value % multiple:
+            raise BadRequest(f"{where}: the {isa!r} kernel needs {name} a multiple of {multiple}, got {value}")
 
 
 def _normalize_session(request: dict) -> dict:
@@ -394,8 +500,9 @@ def _run_generate(req: dict) -> dict:
 _CASE_TENSORS = ("query", "key", "value", "slot_mapping", "block_table", "seq_lens", "query_start_loc")
 
 
-def _check_case(case, i: int, torch) -> None:
-    """BadRequest naming the field, before any C++ op sees (and maybe crashes on) a bad tensor."""
+def _check_case(case, i: int, torch, isa: str = "auto") -> str:
+    """BadRequest naming the field, before any C++ op sees (and maybe crashes on) a bad tensor or a
+    kernel this CPU cannot run. Returns the case's ISA: its own "isa", else the request's `isa`."""
     where = f"cases[{i}]"
     if not isinstance(case, dict):
         raise BadRequest(f"{where} must be a dict, got {type(case).__name__}")
@@ -432,11 +539,56 @@ def _check_case(case, i: int, torch) -> None:
     used = torch.arange(table.shape[1])[None, :] < needed[:, None]
     if bool((used & ((table < 0) | (table >= case["num_blocks"]))).any()):
         raise BadRequest(f"{where}.block_table points outside the pool of {case['num_blocks']} blocks")
+    if "isa" in case:
+        isa = case["isa"]
+        _check_isa(isa, f"{where}.isa")
+    if isa != "auto":
+        _check_isa_fits(isa, str(q.dtype).removeprefix("torch."), case["block_size"], q.shape[2], where)
+    return isa
+
+
+def _loaded_extension() -> str | None:
+    """Which of vLLM's CPU libraries this process loaded: "_C", "_C_AVX512" or "_C_AVX2" (Linux's
+    /proc/self/maps; None elsewhere). import_kernels() cannot say: the AVX2 and AVX-512 libraries load
+    under the module name _C, so their import raises after loading and never reaches sys.modules."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        return None
+    found = re.findall(r"/vllm/(_C(?:_AVX512|_AVX2)?)\.[^/\s]*\.so$", maps, flags=re.MULTILINE)
+    return found[0] if found else None
+
+
+def _enable_amx(torch) -> None:
+    """Ask Linux for AMX tile state before an amx kernel runs (asking again is harmless).
+
+    Linux (5.16+) gives a process the AMX tile registers only after it asks, with
+    arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); the first tile instruction of a process that
+    has not asked dies with SIGILL. torch.cpu._init_amx() makes that request. vLLM's engine gets it
+    as a side effect (oneDNN asks before its own AMX matmuls, and linear layers run before attention),
+    and vLLM's own CPU attention kernel tests and benchmarks call _init_amx() before their first
+    kernel call; the ops called alone here must ask too.
+    """
+    if not torch.cpu._is_amx_tile_supported():
+        raise BadRequest("the 'amx' attention kernel needs AMX tiles, and torch sees no amx_tile on this CPU")
+    if not torch.cpu._init_amx():
+        raise RuntimeError("Linux refused this process AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM, via "
+                           "torch.cpu._init_amx()); a kernel older than 5.16 cannot grant it. Ask for isa "
+                           "'vec' or 'vec16' instead of 'amx'.")
 
 
 def _run_attention_op(req: dict) -> dict:
     """vLLM's CPU paged attention on given inputs, the way CPUAttentionBackendImpl calls it."""
     import torch
+
+    # Every case is checked, kernels included, before vLLM is imported: a bad one fails in seconds,
+    # and nothing reaches an op that could die on it.
+    cases = torch.load(req["inputs"], weights_only=True)
+    if not isinstance(cases, list) or not cases:
+        raise BadRequest(f"inputs must hold a non-empty list of cases, got {type(cases).__name__}")
+    requested = [_check_case(case, i, torch, req["isa"]) for i, case in enumerate(cases)]
+
     import vllm
     from vllm import envs
     from vllm.platforms import current_platform
@@ -450,17 +602,25 @@ def _run_attention_op(req: dict) -> dict:
     from vllm import _custom_ops as ops
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
+    # Choose each case's kernel; vLLM's auto choice is held to the same rules as an explicit one.
+    isas = []
+    for i, (case, isa) in enumerate(zip(cases, requested)):
+        q = case["query"]
+        if isa == "auto":
+            isa = _get_attn_isa(q.dtype, case["block_size"], q.shape[2], "auto")
+            where = f"cases[{i}] (vLLM's auto choice {isa!r})"
+            _check_isa(isa, where)
+            _check_isa_fits(isa, str(q.dtype).removeprefix("torch."), case["block_size"], q.shape[2], where)
+        if isa == "amx":
+            _enable_amx(torch)
+        isas.append(isa)
+
     t0 = time.perf_counter()
-    cases = torch.load(req["inputs"], weights_only=True)
-    if not isinstance(cases, list) or not cases:
-        raise BadRequest(f"inputs must hold a non-empty list of cases, got {type(cases).__name__}")
     outputs, info = [], []
-    for i, case in enumerate(cases):
-        _check_case(case, i, torch)
+    for case, isa, asked in zip(cases, isas, requested):
         q = case["query"].contiguous()
         num_heads, head_dim, dtype = q.shape[1], q.shape[2], q.dtype
         num_kv_heads, block_size, num_blocks = case["key"].shape[1], case["block_size"], case["num_blocks"]
-        isa = _get_attn_isa(dtype, block_size, head_dim, "auto")
         # The engine's cache: [num_blocks, num_kv_heads, block_size, 2 * head_dim], split as in forward().
         kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
         key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
@@ -480,10 +640,11 @@ def _run_attention_op(req: dict) -> dict:
             block_table=case["block_table"].to(torch.int32), softcap=0.0, scheduler_metadata=metadata, s_aux=None,
         )
         outputs.append(out)
-        info.append({"isa": isa, "shape": list(out.shape)})
+        info.append({"isa": isa, "requested": asked, "shape": list(out.shape)})
+    run_s = time.perf_counter() - t0
     torch.save(outputs, req["outputs"])
     return {"ok": True, "vllm_version": vllm.__version__, "device": _device_name(current_platform),
-            "request": req, "cases": info, "run_s": time.perf_counter() - t0}
+            "request": req, "cases": info, "cpu": _cpu(), "extension": _loaded_extension(), "run_s": run_s}
 
 
 def main() -> int:
