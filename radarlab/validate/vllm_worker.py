@@ -290,12 +290,7 @@ def _normalize_session(request: dict) -> dict:
 
 
 def _normalize_generate(request: dict) -> dict:
-    unknown = sorted(set(request) - set(DEFAULTS))
-    if unknown:
-        raise BadRequest(f"unknown request fields {unknown}; known: {sorted(DEFAULTS)}")
-    req = {**DEFAULTS, **request}
-    if req["version"] != FORMAT_VERSION:
-        raise BadRequest(f"version must be {FORMAT_VERSION}, got {req['version']!r}")
+    req = _check_fields(request, DEFAULTS)
     if not isinstance(req["model"], str) or not req["model"]:
         raise BadRequest("model must be a model directory or id (a non-empty string)")
     if (req["prompts"] is None) == (req["batches"] is None):
