@@ -5,14 +5,15 @@
 #
 # 1. The kernel and paged-cache tests, compiled (TRITON_INTERPRET unset, so radarlab leaves Triton
 #    in its compiled mode): the same tests that run under the interpreter on CPU, now on the GPU.
-# 2. `python -m radarlab.attention.kernel_bench` (check_kernels): the store-KV, decode and prefill kernels
-#    against their torch counterparts at course-model heads (9 query heads over 3 KV heads, head_dim
-#    64, block size 16), in bf16 and fp32, then timed with triton.testing.do_bench (L2 flushed before
-#    every run); decode also shows the bandwidth it achieves on the bytes it must move. Exits 1 if a
-#    kernel disagrees with its reference.
+# 2. `python -m radarlab.attention.kernel_bench` (check_kernels): the store-KV, decode, split-KV decode
+#    and prefill kernels against their torch counterparts at course-model heads (9 query heads over 3
+#    KV heads, head_dim 64, block size 16), in bf16 and fp32, then timed with triton.testing.do_bench
+#    (L2 flushed before every run); decode also shows the bandwidth it achieves on the bytes it must
+#    move, and split-KV its speedup over the unsplit decode kernel ("vs decode", e.g. at 4 x 16384
+#    tokens). Exits 1 if a kernel disagrees with its reference.
 #
 # Environment: PYTHON (default .venv/bin/python), PYTEST_ARGS (extra pytest arguments),
-# BENCH_ARGS (extra arguments for step 2, e.g. --shapes 8x512 --dtypes float32), SKIP_TESTS=1 (step 2 only).
+# BENCH_ARGS (extra arguments for step 2, e.g. --shapes 8x512 --dtypes float32 --partition-size 256), SKIP_TESTS=1 (step 2 only).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 

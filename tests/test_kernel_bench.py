@@ -117,25 +117,36 @@ def test_tolerance_is_a_few_ulps_of_the_output_dtype():
     assert tolerance(torch.bfloat16) == 4 * 2**-7 and tolerance(torch.float16) == 4 * 2**-10
 
 
-TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_tokens=3, device="cpu", tiles=(16,))
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_tokens=3, device="cpu", tiles=(16,),
+            partition_size=8)
 
 
 def test_check_kernels_on_tiny_shapes():
     """What gpu_check.sh runs, small and interpreted: every kernel agrees with its torch counterpart."""
     rows = check_kernels([(2, 5), (1, 17)], [torch.float32], **TINY)
     assert [(r.kernel, r.batch, r.context, r.query_len) for r in rows] == [
-        ("store_kv", 2, 5, 1), ("decode", 2, 5, 1), ("prefill", 2, 5, 3),
-        ("store_kv", 1, 17, 1), ("decode", 1, 17, 1), ("prefill", 1, 17, 3)]
+        ("store_kv", 2, 5, 1), ("decode", 2, 5, 1), ("decode_split", 2, 5, 1), ("prefill", 2, 5, 3),
+        ("store_kv", 1, 17, 1), ("decode", 1, 17, 1), ("decode_split", 1, 17, 1), ("prefill", 1, 17, 3)]
     assert all(r.matches and r.triton_ms > 0 and r.torch_ms > 0 for r in rows)
     assert all(r.max_error == 0 for r in rows if r.kernel == "store_kv")  # a write is a copy: exact
     decode = rows[1]
     assert decode.nbytes == decode_bytes([5, 5], 4, 2, 16, 4, 4) and decode.triton_gbps > 0
     assert rows[0].nbytes is None and rows[0].triton_gbps is None
+    # split-KV (17 tokens: partitions of 8, 8 and 1) moves the same bytes, and is timed beside decode
+    split = rows[6]
+    assert split.nbytes == decode_bytes([17], 4, 2, 16, 4, 4) and split.unsplit_ms > 0 and split.vs_unsplit > 0
+    assert all(r.vs_unsplit is None for r in rows if r.kernel != "decode_split")
+
+
+def test_check_kernels_rejects_a_bad_partition_size():
+    with pytest.raises(ValueError, match="partition_size"):
+        check_kernels([(1, 5)], [torch.float32], ["decode_split"], **(TINY | dict(partition_size=2)))
 
 
 @pytest.mark.parametrize("kernel, name, wrong", [
     ("store_kv", "triton_reshape_and_cache", lambda *args, **kwargs: None),  # writes nothing
     ("decode", "triton_paged_decode", lambda q, *args, **kwargs: torch.zeros_like(q)),
+    ("decode_split", "triton_paged_decode_split", lambda q, *args, **kwargs: torch.zeros_like(q)),
     ("prefill", "triton_paged_prefill", lambda q, *args, **kwargs: torch.zeros_like(q)),
 ])
 def test_check_kernels_reports_a_kernel_that_disagrees(monkeypatch, capsys, kernel, name, wrong):
@@ -146,7 +157,7 @@ def test_check_kernels_reports_a_kernel_that_disagrees(monkeypatch, capsys, kern
     assert not row.matches and row.max_error > row.tolerance
     assert main(["--shapes", "2x5", "--dtypes", "float32", "--kernels", kernel, "--num-heads", "4",
                  "--num-kv-heads", "2", "--head-dim", "16", "--block-size", "4", "--tiles", "16",
-                 "--prefill-tokens", "3", "--device", "cpu"]) == 1
+                 "--prefill-tokens", "3", "--partition-size", "8", "--device", "cpu"]) == 1
     assert " NO " in capsys.readouterr().out
 
 
@@ -155,12 +166,14 @@ def test_main_prints_the_table_and_exits_0_when_all_match(capsys):
                  "--head-dim", "16", "--block-size", "4", "--tiles", "16", "--prefill-tokens", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:2] == ["kernel", "dtype"]
-    rows = [line.split() for line in lines[1:4]]
-    assert [r[0] for r in rows] == ["store_kv", "decode", "prefill"]
+    rows = [line.split() for line in lines[1:5]]
+    assert [r[0] for r in rows] == ["store_kv", "decode", "decode_split", "prefill"]
     assert all(r[1] == "bfloat16" and r[7] == "yes" for r in rows)
+    assert rows[2][-1].endswith("x") and rows[1][-1] == "-"  # only split-KV is timed against decode
 
 
-@pytest.mark.parametrize("argv", [["--kernels", "gemm"], ["--dtypes", "float9"], ["--shapes", "8by512"]])
+@pytest.mark.parametrize("argv", [["--kernels", "gemm"], ["--dtypes", "float9"], ["--shapes", "8by512"],
+                                  ["--kernels", "decode_split", "--partition-size", "24"]])
 def test_main_rejects_bad_arguments(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -170,5 +183,7 @@ def test_main_rejects_bad_arguments(argv):
 def test_kernel_check_row_arithmetic():
     row = KernelCheck("decode", "float32", 2, 10, 1, max_error=1e-5, tolerance=1e-4, triton_ms=2.0, torch_ms=6.0,
                       nbytes=3_000_000)
-    assert row.matches and row.speedup == 3.0 and row.triton_gbps == 1.5
+    assert row.matches and row.speedup == 3.0 and row.triton_gbps == 1.5 and row.vs_unsplit is None
+    split = KernelCheck("decode_split", "float32", 4, 16384, 1, 1e-5, 1e-4, 2.0, 6.0, 3_000_000, unsplit_ms=5.0)
+    assert split.vs_unsplit == 2.5
     assert not KernelCheck("prefill", "float32", 1, 4, 4, float("nan"), 1e-4, 1.0, 1.0).matches

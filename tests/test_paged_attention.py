@@ -1,4 +1,5 @@
-"""Attention over the paged cache (torch gather, Triton decode, Triton prefill) against attention_reference.
+"""Attention over the paged cache (torch gather, Triton decode, split-KV decode, Triton prefill) against
+attention_reference.
 
 Every case builds each sequence's K/V as plain tensors, scatters them into a pool through a shuffled
 block table, fills every unused slot with NaN (a stray read poisons the output), and compares the
@@ -14,9 +15,14 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from radarlab.util import cdiv
-from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
+from radarlab.attention.torch_paged import (
+    combine_partitions_torch, paged_attention_torch, paged_decode_torch, split_kv_decode_torch,
+    split_kv_partials_torch,
+)
 from radarlab.attention.reference import attention_reference
-from radarlab.attention.triton_paged import triton_paged_attention, triton_paged_decode, triton_paged_prefill
+from radarlab.attention.triton_paged import (
+    triton_paged_attention, triton_paged_decode, triton_paged_decode_split, triton_paged_prefill,
+)
 from radarlab.device import default_device
 
 TOL = 1e-5  # fp32
@@ -131,6 +137,106 @@ def test_triton_decode_tiles_and_padded_head_dim(tile_n, device):
     assert max_error(out, case.expected) < TOL
 
 
+# --- split-KV decode (torch reference and Triton) -------------------------------------------------
+def split_lens(block_size, partition_size):
+    """1, block_size -/+ 1, a partition boundary hit exactly and just missed, and several partitions."""
+    lens = [1, block_size - 1, block_size + 1, partition_size, partition_size + 1, 3 * partition_size - 1,
+            3 * partition_size + 5]
+    return [n for n in lens if n >= 1]
+
+
+@pytest.mark.parametrize("block_size, partition_size", [(1, 4), (4, 4), (4, 16), (16, 32)])
+@pytest.mark.parametrize("heads", HEADS)
+def test_torch_split_kv_equals_unsplit_decode(block_size, partition_size, heads, device):
+    lens = split_lens(block_size, partition_size)
+    case = make_case(lens, [1] * len(lens), block_size, *heads, seed=partition_size, device=device)
+    out = split_kv_decode_torch(*case.args(), case.scale, partition_size=partition_size)
+    unsplit = paged_decode_torch(*case.args(), case.scale)
+    torch.testing.assert_close(out, unsplit, rtol=0, atol=1e-6)  # same math, other summation order
+    assert max_error(out, case.expected) < TOL
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 8]), partition_blocks=st.sampled_from([1, 2, 4]),
+       group=st.sampled_from([1, 2, 3]))
+def test_torch_split_kv_random_lengths(data, block_size, partition_blocks, group):
+    seq_lens = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=4))
+    case = make_case(seq_lens, [1] * len(seq_lens), block_size, 2 * group, 2, 8, seed=data.draw(st.integers(0, 99)))
+    out = split_kv_decode_torch(*case.args(), case.scale, partition_size=block_size * partition_blocks)
+    assert max_error(out, case.expected) < TOL
+
+
+@pytest.mark.parametrize("block_size, partition_size, tile_n", [(4, 8, 32), (4, 16, 4), (16, 16, 8), (16, 32, 64)])
+@pytest.mark.parametrize("heads", HEADS)
+def test_triton_split_kv_matches_both_references(block_size, partition_size, tile_n, heads, device):
+    """Against attention_reference and against split_kv_decode_torch; tiles smaller than a partition
+    (several per partition) and larger (clipped to it)."""
+    lens = split_lens(block_size, partition_size)
+    case = make_case(lens, [1] * len(lens), block_size, *heads, seed=block_size + partition_size, device=device)
+    out = triton_paged_decode_split(*case.args(), case.scale, partition_size=partition_size, tile_n=tile_n)
+    assert max_error(out, case.expected) < TOL
+    split = split_kv_decode_torch(*case.args(), case.scale, partition_size=partition_size)
+    assert max_error(out, split) < TOL
+
+
+def test_empty_partitions_are_skipped_and_never_read(device, monkeypatch):
+    """A batch's grid has partitions for its longest sequence; a short one's extra partitions are
+    empty. The torch phase 1 gives them m = -inf, l = 0, out 0 (no weight), and the Triton combine
+    must not read their scratch at all: here the scratch starts as NaN, so a read would show."""
+    case = make_case([1, 5, 37], [1, 1, 1], 4, 4, 2, 16, seed=11, device=device)
+    outs, maxes, sums = split_kv_partials_torch(*case.args(), case.scale, partition_size=8)
+    assert maxes.shape == (3, 4, 5)  # cdiv(37, 8) partitions for every sequence
+    assert maxes[0, :, 1:].isinf().all() and (sums[0, :, 1:] == 0).all() and (outs[0, :, 1:] == 0).all()
+    assert maxes[1, :, 1:].isinf().all() and maxes[2].isfinite().all()
+
+    empty = torch.empty
+
+    def nan_empty(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    monkeypatch.setattr(torch, "empty", nan_empty)
+    out = triton_paged_decode_split(*case.args(), case.scale, partition_size=8)
+    monkeypatch.undo()
+    assert max_error(out, case.expected) < TOL
+    # a larger max_seq_len only adds empty partitions
+    more = triton_paged_decode_split(*case.args(), case.scale, partition_size=8, max_seq_len=100)
+    assert max_error(more, case.expected) < TOL
+
+
+def test_a_combine_without_the_max_rescale_fails_the_check(device):
+    """The comparison the split-KV tests rely on can fail: merging the same partials without the
+    exp(m_i - m) weights (a plain mean of the partition outputs, or weights l_i alone, each under
+    its own max) misses the reference by far more than TOL, while the true combine is within it."""
+    lens = split_lens(4, 8)
+    case = make_case(lens, [1] * len(lens), 4, 4, 2, 16, seed=12, device=device)
+    outs, maxes, sums = split_kv_partials_torch(*case.args(), case.scale, partition_size=8)
+    assert max_error(combine_partitions_torch(outs, maxes, sums), case.expected) < TOL
+    present = (sums > 0).float()  # the partitions that hold tokens
+    mean = (outs * present[..., None]).sum(-2) / present.sum(-1)[..., None]
+    by_sum_only = (outs * sums[..., None]).sum(-2) / sums.sum(-1)[..., None]
+    for wrong in (mean, by_sum_only):
+        assert max_error(wrong, case.expected) > 100 * TOL
+
+
+@pytest.mark.parametrize("path", ["torch", "triton"])
+@pytest.mark.parametrize("block_size, partition_size, match", [
+    (4, 12, "partition_size must be a power of two"),
+    (4, 0, "partition_size must be a power of two"),
+    (16, 8, r"partition_size \(8\) must be a multiple of the block size \(16\)"),
+])
+def test_bad_partition_size_raises(path, block_size, partition_size, match, device):
+    case = make_case([5, 9], [1, 1], block_size, 4, 2, 8, device=device)
+    run = split_kv_decode_torch if path == "torch" else triton_paged_decode_split
+    with pytest.raises(ValueError, match=match):
+        run(*case.args(), case.scale, partition_size=partition_size)
+
+
+def test_split_kv_rejects_a_max_seq_len_below_the_longest(device):
+    case = make_case([5, 9], [1, 1], 4, 4, 2, 8, device=device)
+    with pytest.raises(ValueError, match=r"max_seq_len \(8\) is below the longest seq_len \(9\)"):
+        triton_paged_decode_split(*case.args(), case.scale, partition_size=4, max_seq_len=8)
+
+
 # --- Triton prefill -------------------------------------------------------------------------------
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("heads", HEADS)
@@ -162,15 +268,17 @@ def test_dispatch_uses_decode_kernel_for_one_query_each(device, monkeypatch):
     assert calls == ["prefill"]
 
 
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "decode_split", "prefill"])
 def test_triton_kernels_read_bf16_caches(kernel, device):
     """bf16 pools and queries: loaded, computed in fp32, stored as bf16. The only error is the final
     rounding to bf16: at most one bf16 ulp (2^-7 relative), since Triton's interpreter converts
     fp32 to bf16 by truncation where torch and compiled Triton round to nearest."""
-    query_lens = [1, 1, 1] if kernel == "decode" else [1, 9, 4]
+    query_lens = [1, 9, 4] if kernel == "prefill" else [1, 1, 1]
     case = make_case([1, 9, 21], query_lens, 4, 4, 2, 16, seed=9, device=device, dtype=torch.bfloat16)
     if kernel == "decode":
         out = triton_paged_decode(*case.args(), case.scale)
+    elif kernel == "decode_split":
+        out = triton_paged_decode_split(*case.args(), case.scale, partition_size=8)
     else:
         out = triton_paged_prefill(*case.args(), case.query_start_loc, case.scale)
     assert out.dtype == torch.bfloat16 and not out.isnan().any()
@@ -185,11 +293,14 @@ def _all_paths(case):
         "torch": lambda: paged_attention_torch(*case.args(), qsl, case.scale),
         "torch_decode": lambda: paged_decode_torch(*case.args(), case.scale),
         "triton_decode": lambda: triton_paged_decode(*case.args(), case.scale),
+        "torch_split": lambda: split_kv_decode_torch(*case.args(), case.scale, partition_size=4),
+        "triton_split": lambda: triton_paged_decode_split(*case.args(), case.scale, partition_size=4),
         "triton_prefill": lambda: triton_paged_prefill(*case.args(), qsl, case.scale),
     }
 
 
-@pytest.mark.parametrize("path", ["torch", "torch_decode", "triton_decode", "triton_prefill"])
+@pytest.mark.parametrize("path", ["torch", "torch_decode", "triton_decode", "torch_split", "triton_split",
+                                  "triton_prefill"])
 @pytest.mark.parametrize("bad", ["past_pool", "negative", "too_few_columns"])
 def test_block_table_outside_pool_raises(path, bad, device):
     case = make_case([5, 9], [1, 1], 4, 4, 2, 8, device=device)

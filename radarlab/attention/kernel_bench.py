@@ -218,7 +218,7 @@ def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int
 # --------------------------------------------------------------------------------------------------
 # The GPU check: every Triton kernel against its torch reference, then timed (scripts/gpu_check.sh)
 
-KERNELS = ("store_kv", "decode", "prefill")
+KERNELS = ("store_kv", "decode", "decode_split", "prefill")
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -241,7 +241,8 @@ class KernelCheck:
     tolerance: float
     triton_ms: float
     torch_ms: float
-    nbytes: int | None = None  # decode only: decode_bytes, the yardstick of a memory-bound kernel
+    nbytes: int | None = None  # decode kernels only: decode_bytes, the yardstick of a memory-bound kernel
+    unsplit_ms: float | None = None  # decode_split only: triton_paged_decode on the same inputs
 
     @property
     def matches(self) -> bool:
@@ -250,6 +251,11 @@ class KernelCheck:
     @property
     def speedup(self) -> float:
         return self.torch_ms / self.triton_ms
+
+    @property
+    def vs_unsplit(self) -> float | None:
+        """How many times faster split-KV decode runs than the one-program-per-(sequence, KV head) kernel."""
+        return None if self.unsplit_ms is None else self.unsplit_ms / self.triton_ms
 
     @property
     def triton_gbps(self) -> float | None:
@@ -296,24 +302,55 @@ def _check_prefill(b: PagedBatch, device) -> tuple[float, float, float]:
     return error, triton_ms, torch_ms
 
 
-def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32, 8192), (128, 2048)),
+def _best_ms(run, tiles: Sequence[int], device) -> float:
+    """The fastest time of run(tile) over the tile sizes."""
+    return min(time_ms(lambda: run(tile), device) for tile in tiles)
+
+
+def _check_decode_split(b: PagedBatch, device, tiles: Sequence[int],
+                        partition_size: int) -> tuple[float, float, float, float]:
+    """triton_paged_decode_split against the fp32 reference and split_kv_decode_torch (the larger
+    error counts); timed (best of `tiles`) against paged_decode_torch and against the unsplit
+    triton_paged_decode, which reads the same bytes with fewer programs."""
+    from radarlab.attention.torch_paged import split_kv_decode_torch
+    from radarlab.attention.triton_paged import triton_paged_decode, triton_paged_decode_split
+
+    args = (b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.scale)
+    out = triton_paged_decode_split(*args, partition_size=partition_size)
+    error = max(_max_error(out, b.reference()),
+                _max_error(out, split_kv_decode_torch(*args, partition_size=partition_size)))
+    max_seq_len = int(b.seq_lens.max())  # read once here, so the timed calls do not sync
+    split_ms = _best_ms(lambda tile: triton_paged_decode_split(*args, partition_size=partition_size, out=out,
+                                                               tile_n=tile, max_seq_len=max_seq_len, check=False),
+                        tiles, device)
+    unsplit_ms = _best_ms(lambda tile: triton_paged_decode(*args, out=out, tile_n=tile, check=False), tiles, device)
+    torch_ms = time_ms(lambda: paged_decode_torch(*args, check=False), device)
+    return error, split_ms, torch_ms, unsplit_ms
+
+
+def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32, 8192), (128, 2048), (4, 16384)),
                   dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32),
                   kernels: Sequence[str] = KERNELS, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
                   block_size: int = 16, prefill_tokens: int = 512, device: str | torch.device = "cuda",
-                  tiles: Sequence[int] = (16, 32, 64), seed: int = 0) -> list[KernelCheck]:
+                  tiles: Sequence[int] = (16, 32, 64), seed: int = 0, partition_size: int = 512) -> list[KernelCheck]:
     """Each kernel of triton_paged.py against its torch counterpart, for each (batch, context) shape.
 
     store_kv writes one new token per sequence (a decode step's write) and must match the torch write
-    exactly; decode (measure_decode_bandwidth, best of `tiles`) and prefill (the last
-    min(prefill_tokens, context) tokens of each sequence, a chunked prefill when that is less than
-    the context) must match the fp32 reference within tolerance(dtype). Every correctness call
-    runs with the argument checks on; the timed calls skip them. The defaults are the course model's
-    heads at GPU sizes.
+    exactly; decode (measure_decode_bandwidth, best of `tiles`), decode_split (split-KV in partitions
+    of partition_size tokens, also timed beside decode: few long sequences such as 4 x 16384 are
+    where it should win) and prefill (the last min(prefill_tokens, context) tokens of each sequence,
+    a chunked prefill when that is less than the context) must match the fp32 reference within
+    tolerance(dtype). Every correctness call runs with the argument checks on; the timed calls skip
+    them. The defaults are the course model's heads at GPU sizes.
     """
     unknown = [k for k in kernels if k not in KERNELS]
     if unknown:
         raise ValueError(f"kernels must be among {KERNELS}, got {list(kernels)}")
     require_int("prefill_tokens", prefill_tokens)
+    if "decode_split" in kernels:
+        from radarlab.attention.layout import validate_partition_size
+
+        validate_partition_size(partition_size, block_size)
     rows = []
     for dtype in dtypes:
         name = str(dtype).removeprefix("torch.")
@@ -329,10 +366,17 @@ def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32
                     continue
                 b = random_paged_batch([context] * batch, [query_len] * batch, block_size, num_heads, num_kv_heads,
                                        head_dim, seed=seed, device=device, dtype=dtype)
-                check = _check_store_kv if kernel == "store_kv" else _check_prefill
-                error, triton_ms, torch_ms = check(b, device)
-                rows.append(KernelCheck(kernel, name, batch, context, query_len, error,
-                                        0.0 if kernel == "store_kv" else tolerance(dtype), triton_ms, torch_ms))
+                if kernel == "decode_split":
+                    error, triton_ms, torch_ms, unsplit_ms = _check_decode_split(b, device, tiles, partition_size)
+                    nbytes = decode_bytes([context] * batch, num_heads, num_kv_heads, head_dim, block_size,
+                                          b.k_cache.element_size(), b.block_tables.element_size())
+                    rows.append(KernelCheck(kernel, name, batch, context, 1, error, tolerance(dtype), triton_ms,
+                                            torch_ms, nbytes, unsplit_ms))
+                else:
+                    check = _check_store_kv if kernel == "store_kv" else _check_prefill
+                    error, triton_ms, torch_ms = check(b, device)
+                    rows.append(KernelCheck(kernel, name, batch, context, query_len, error,
+                                            0.0 if kernel == "store_kv" else tolerance(dtype), triton_ms, torch_ms))
                 del b
                 if str(device).startswith("cuda"):
                     torch.cuda.empty_cache()
@@ -341,15 +385,17 @@ def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32
 
 def format_kernel_checks(rows: Sequence[KernelCheck]) -> str:
     """The table gpu_check.sh prints: agreement first, then the times."""
-    lines = [f"{'kernel':>8} {'dtype':>8} {'batch':>5} {'context':>7} {'new':>5} {'max err':>8} {'tol':>7} "
-             f"{'match':>5} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} {'triton GB/s':>11}"]
+    lines = [f"{'kernel':>12} {'dtype':>8} {'batch':>5} {'context':>7} {'new':>5} {'max err':>8} {'tol':>7} "
+             f"{'match':>5} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} {'triton GB/s':>11} {'vs decode':>9}"]
     for r in rows:
         gbps = f"{r.triton_gbps:>11.0f}" if r.triton_gbps is not None else f"{'-':>11}"
-        lines.append(f"{r.kernel:>8} {r.dtype:>8} {r.batch:>5} {r.context:>7} {r.query_len:>5} {r.max_error:>8.1e} "
+        vs = f"{r.vs_unsplit:>8.2f}x" if r.vs_unsplit is not None else f"{'-':>9}"
+        lines.append(f"{r.kernel:>12} {r.dtype:>8} {r.batch:>5} {r.context:>7} {r.query_len:>5} {r.max_error:>8.1e} "
                      f"{r.tolerance:>7.0e} {'yes' if r.matches else 'NO':>5} {r.triton_ms:>9.4f} {r.torch_ms:>9.4f} "
-                     f"{r.speedup:>6.2f}x {gbps}")
-    lines.append("torch ms: store_kv the torch write (reshape_and_cache), decode paged_decode_torch, prefill "
-                 "paged_attention_torch. GB/s: the bytes decode must move (decode_bytes) over the median time.")
+                     f"{r.speedup:>6.2f}x {gbps} {vs}")
+    lines.append("torch ms: store_kv the torch write (reshape_and_cache), decode and decode_split paged_decode_torch, "
+                 "prefill paged_attention_torch. GB/s: the bytes decode must move (decode_bytes) over the median "
+                 "time. vs decode: the unsplit decode kernel's time over split-KV's (above 1: splitting wins).")
     return "\n".join(lines)
 
 
@@ -382,7 +428,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              ("num_heads", int, "query heads"), ("num_kv_heads", int, "KV heads"),
                              ("head_dim", int, "dims per head"), ("block_size", int, "tokens per KV block"),
                              ("prefill_tokens", int, "new tokens per sequence in the prefill check"),
-                             ("tiles", lambda t: [int(x) for x in names(t)], "decode tile sizes tried")]:
+                             ("tiles", lambda t: [int(x) for x in names(t)], "decode tile sizes tried"),
+                             ("partition_size", int, "tokens per split-KV partition")]:
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, default=None,
                             help=f"{what} (default: {default[flag]})")
     parser.add_argument("--device", default=None, help="(default: cuda when present, else cpu under the interpreter)")

@@ -60,3 +60,14 @@ def validate_slot_mapping(slot_mapping: torch.Tensor, num_tokens: int, num_slots
         i = int(bad.nonzero()[0, 0])
         raise ValueError(f"slot_mapping[{i}] = {int(slot_mapping[i])} is outside the pool (valid slots: "
                          f"0..{num_slots - 1}, or -1 for padding)")
+
+
+def validate_partition_size(partition_size, block_size: int) -> int:
+    """Split-KV decode cuts each context into partitions of partition_size tokens. A power of two, so
+    the kernel's tiles (powers of two) divide it; a multiple of block_size, so every block belongs to
+    exactly one partition and no block is fetched by two programs."""
+    require_power_of_two("partition_size", partition_size)
+    if partition_size % block_size:
+        raise ValueError(f"partition_size ({partition_size}) must be a multiple of the block size ({block_size}), "
+                         f"so that no block is split between two partitions")
+    return int(partition_size)

@@ -1,4 +1,5 @@
-"""Triton kernels for the paged KV cache: the KV write, decode attention and prefill attention.
+"""Triton kernels for the paged KV cache: the KV write, decode attention (whole-context and split-KV)
+and prefill attention.
 
 All three read or write the pool of one layer, [num_blocks, block_size, num_kv_heads, head_dim],
 through vLLM's two indirections: a slot mapping (where each new token's K/V goes) and block tables
@@ -21,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from radarlab.attention.layout import validate_block_tables, validate_pool, validate_slot_mapping
+from radarlab.attention.layout import (
+    validate_block_tables, validate_partition_size, validate_pool, validate_slot_mapping,
+)
 
 
 def _pow2(n: int, at_least: int = 1) -> int:
@@ -190,6 +193,187 @@ def triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=
         head_dim,
         GROUP=group, GROUP_PAD=_pow2(group), DIM_PAD=_pow2(head_dim),
         BLOCK_SIZE=block_size, TILE_N=_pow2(tile_n),
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# 2b. Split-KV decode (flash-decoding, vLLM's paged_attention_v2): partitions, then a combine
+# --------------------------------------------------------------------------------------------------
+@triton.jit
+def _paged_decode_partition_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, block_tables_ptr, seq_lens_ptr,
+    scale,
+    stride_qt, stride_qh, stride_qd,
+    stride_cb, stride_cs, stride_ch, stride_cd,
+    stride_bt,
+    stride_pot, stride_poh, stride_pop, stride_pod,
+    stride_pmt, stride_pmh, stride_pmp,
+    head_dim,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, PARTITION_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+):
+    """Phase 1: attention of one sequence's query over one partition of its context, for one KV head.
+
+    One program per (sequence, KV head, partition), so a few long sequences still launch many
+    programs. Partition `part` covers positions [part * PARTITION_SIZE, (part + 1) * PARTITION_SIZE)
+    clipped to seq_len; the grid is sized for the longest sequence, so a shorter one's programs past
+    its end return at once and write nothing (the combine never reads those slots).
+
+    Inside the partition it is the decode kernel unchanged: the GROUP query heads of the KV head
+    together, tiles of TILE_N positions through the block table, online softmax. But it does not
+    finish the softmax over the whole context, which it has not seen. It stores the partition's own
+    result, acc / l, with the running max m and sum l that say how much that result weighs.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    first = part * PARTITION_SIZE
+    if first >= seq_len:
+        return
+    last = tl.minimum(seq_len, first + PARTITION_SIZE)
+
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    dim_ok = d < head_dim
+    q_mask = head_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0).to(tl.float32)
+    q = q * scale
+
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+
+    table = block_tables_ptr + seq * stride_bt
+    head_offset = kv_head * stride_ch
+    dim_offsets = d[None, :] * stride_cd
+    for start in range(first, last, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < last
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
+        kv_offsets = rows[:, None] + dim_offsets
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, TILE_N]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+
+    stats = seq * stride_pmt + heads * stride_pmh + part * stride_pmp
+    tl.store(part_max_ptr + stats, m, mask=head_ok)
+    tl.store(part_sum_ptr + stats, l, mask=head_ok)
+    out_rows = seq * stride_pot + heads * stride_poh + part * stride_pop
+    tl.store(part_out_ptr + out_rows[:, None] + d[None, :] * stride_pod, acc / l[:, None], mask=q_mask)
+
+
+@triton.jit
+def _combine_partitions_kernel(
+    part_out_ptr, part_max_ptr, part_sum_ptr, out_ptr, seq_lens_ptr,
+    stride_pot, stride_poh, stride_pop, stride_pod,
+    stride_pmt, stride_pmh, stride_pmp,
+    stride_ot, stride_oh, stride_od,
+    head_dim,
+    DIM_PAD: tl.constexpr, PARTITION_SIZE: tl.constexpr, PARTS_TILE: tl.constexpr,
+):
+    """Phase 2: merge one (sequence, query head)'s partitions into its attention output.
+
+    Partition i left out_i (normalised by its own sum l_i, under its own max m_i). Under the global
+    max m = max_i m_i, partition i's share of the full softmax denominator is w_i = l_i * exp(m_i - m),
+    and out = sum_i w_i out_i / sum_i w_i. Two passes over the partitions, PARTS_TILE at a time: the
+    first finds m, the second sums the weights and the weighted outputs. Only the sequence's own
+    cdiv(seq_len, PARTITION_SIZE) partitions are read; the scratch past them was never written.
+    The reads are tiny (P x D floats against the partitions' P x PARTITION_SIZE x D of K/V).
+    """
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    num_parts = (seq_len + PARTITION_SIZE - 1) // PARTITION_SIZE
+    d = tl.arange(0, DIM_PAD)
+    dim_ok = d < head_dim
+    stats = part_max_ptr + seq * stride_pmt + head * stride_pmh
+    sums = part_sum_ptr + seq * stride_pmt + head * stride_pmh
+    outs = part_out_ptr + seq * stride_pot + head * stride_poh
+
+    m_seen = tl.full([PARTS_TILE], float("-inf"), tl.float32)
+    for first in range(0, num_parts, PARTS_TILE):
+        idx = first + tl.arange(0, PARTS_TILE)
+        m_seen = tl.maximum(m_seen, tl.load(stats + idx * stride_pmp, mask=idx < num_parts, other=float("-inf")))
+    m = tl.max(m_seen, axis=0)
+
+    weight_sum = tl.zeros([PARTS_TILE], tl.float32)
+    acc = tl.zeros([DIM_PAD], tl.float32)
+    for first in range(0, num_parts, PARTS_TILE):
+        idx = first + tl.arange(0, PARTS_TILE)
+        part_ok = idx < num_parts
+        m_i = tl.load(stats + idx * stride_pmp, mask=part_ok, other=float("-inf"))
+        l_i = tl.load(sums + idx * stride_pmp, mask=part_ok, other=0.0)
+        o_i = tl.load(outs + idx[:, None] * stride_pop + d[None, :] * stride_pod,
+                      mask=part_ok[:, None] & dim_ok[None, :], other=0.0)  # [PARTS_TILE, D]
+        w = l_i * tl.exp(m_i - m)  # 0 for the masked lanes: exp(-inf) = 0
+        weight_sum += w
+        acc += tl.sum(w[:, None] * o_i, axis=0)
+
+    out = acc / tl.sum(weight_sum, axis=0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=dim_ok)
+
+
+def triton_paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale, partition_size: int = 512,
+                              out=None, tile_n: int = 32, max_seq_len: int | None = None,
+                              check: bool = True) -> torch.Tensor:
+    """Decode like triton_paged_decode, q [B, H, D] -> [B, H, D], with each context cut into partitions
+    of partition_size tokens (a power of two and a multiple of the block size; vLLM uses 512).
+
+    triton_paged_decode launches B x kv_heads programs, too few to fill a GPU when a handful of
+    sequences are long. Here every partition is its own program (phase 1), and a second small kernel
+    merges the partitions (phase 2): B x kv_heads x cdiv(max_seq_len, partition_size) programs,
+    for a partial output, max and sum per partition and query head kept in fp32 scratch.
+    max_seq_len sizes the grid; pass it to avoid reading seq_lens back to the host (a sync).
+    """
+    validate_pool(k_cache, v_cache)
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    num_seqs, num_heads = _check_query(q, num_kv_heads, head_dim)
+    partition_size = validate_partition_size(partition_size, block_size)
+    if check:
+        _check_decode(block_tables, seq_lens, num_seqs, num_blocks, block_size)
+        if max_seq_len is not None and num_seqs and max_seq_len < int(seq_lens.max()):
+            raise ValueError(f"max_seq_len ({max_seq_len}) is below the longest seq_len ({int(seq_lens.max())})")
+    block_tables, seq_lens = _rows_contiguous(block_tables), seq_lens.contiguous()
+    out = torch.empty_like(q) if out is None else out
+    if num_seqs == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    num_parts = triton.cdiv(max_seq_len, partition_size)
+    part_out = torch.empty(num_seqs, num_heads, num_parts, head_dim, dtype=torch.float32, device=q.device)
+    part_max = torch.empty(num_seqs, num_heads, num_parts, dtype=torch.float32, device=q.device)
+    part_sum = torch.empty_like(part_max)
+    group = num_heads // num_kv_heads
+    _paged_decode_partition_kernel[(num_seqs, num_kv_heads, num_parts)](
+        q, k_cache, v_cache, part_out, part_max, part_sum, block_tables, seq_lens,
+        float(scale),
+        *q.stride(), *k_cache.stride(), block_tables.stride(0), *part_out.stride(), *part_max.stride(),
+        head_dim,
+        GROUP=group, GROUP_PAD=_pow2(group), DIM_PAD=_pow2(head_dim),
+        BLOCK_SIZE=block_size, PARTITION_SIZE=partition_size, TILE_N=min(_pow2(tile_n), partition_size),
+    )
+    _combine_partitions_kernel[(num_seqs, num_heads)](
+        part_out, part_max, part_sum, out, seq_lens,
+        *part_out.stride(), *part_max.stride(), *out.stride(),
+        head_dim,
+        DIM_PAD=_pow2(head_dim), PARTITION_SIZE=partition_size, PARTS_TILE=_pow2(min(num_parts, 32)),
     )
     return out
 
