@@ -21,7 +21,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
-from radarlab.kvcache.model_config import load_model_config, stored_config_names
+from radarlab.kvcache.model_config import load_model_config, stored_config, stored_config_names
 from radarlab.util import require_int, require_number
 
 GB = 10**9  # decimal gigabyte
@@ -214,6 +214,11 @@ def shape_from_model(model: str, local_files_only: bool = False) -> tuple[str, K
         raise ValueError(f"model {model!r}: {err}") from None
 
 
+def stored_shapes() -> dict[str, KVModelShape]:
+    """{short name: KV shape} of every stored config (what the widget's model dropdown offers)."""
+    return {name: shape_from_hf_config(stored_config(name)) for name in stored_config_names()}
+
+
 def kv_report(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
               group_size: int | None = DEFAULT_GROUP_SIZE, gpu_mem_gb: float | None = None,
               weights_gb: float = 0.0, model: str | None = None) -> dict:
@@ -275,8 +280,13 @@ def summary_line(r: dict) -> str:
         size = f"{r['gb_per_stream']:.2f} GB per stream"
     text = f"{r['bytes_per_token']:,} bytes/token | {size}"
     if "max_concurrent_streams" in r:
-        if r["weights_fit"]:
-            text += f" | {r['max_concurrent_streams']} streams fit in {r['kv_budget_gb']:.2f} GB"
+        n = r["max_concurrent_streams"]
+        fit = f"{n} stream{'s' * (n != 1)} fit{'s' * (n == 1)} in"
+        if r["weights_fit"] and r["weights_gb"]:  # the room is what the weights leave, not the GPU
+            text += (f" | {fit} the {r['kv_budget_gb']:.2f} GB left after {r['weights_gb']:.2f} GB of weights "
+                     f"(GPU {r['gpu_mem_gb']:.2f} GB)")
+        elif r["weights_fit"]:
+            text += f" | {fit} {r['kv_budget_gb']:.2f} GB (all of the GPU: no weights counted)"
         else:
             text += f" | weights ({r['weights_gb']:.2f} GB) exceed the GPU ({r['gpu_mem_gb']:.2f} GB)"
     return text

@@ -7,27 +7,45 @@ import io
 
 import ipywidgets as widgets
 
-from radarlab.kvcache.memory import KV_DTYPES, kv_report, summary_line
+from radarlab.kvcache.memory import KV_DTYPES, KVModelShape, kv_report, stored_shapes, summary_line
+from radarlab.kvcache.model_config import stored_name
+from radarlab.util import require_int
+
+
+TOKEN_STEPS = tuple(2**k for k in range(18))  # 1 .. 131,072: the tokens slider moves in powers of two
+CUSTOM = ""  # the model dropdown's value when the sliders match no chosen model
+
+
+def token_options(tokens: int) -> list[tuple[str, int]]:
+    """(label, value) pairs for the tokens slider: powers of two, plus `tokens` itself if it is not one.
+    A linear slider over 131,072 tokens on 400 pixels moves 300 tokens a pixel; a log one stays usable."""
+    values = sorted(set(TOKEN_STEPS) | {require_int("tokens", tokens)})
+    return [(f"{t:,}", t) for t in values]
 
 
 class KVCalculator(widgets.VBox):
     """A KV-cache calculator: model shape, context, format and GPU in; bytes, GB and streams out.
 
-    `controls` maps each input's name (kv_report's parameter names) to its widget; `result` is the
-    Label that shows the one-line answer, or what is wrong with the inputs."""
+    `controls` maps each input's name (kv_report's parameter names) to its widget; `model` is the
+    dropdown of stored configs (choosing one sets layers, KV heads and head dim; moving those sliders
+    away from it shows "custom"); `result` is the Label with the one-line answer, or what is wrong."""
 
     def __init__(self, layers: int = 80, kv_heads: int = 8, head_dim: int = 128, tokens: int = 32768,
                  kv_dtype: str = "fp16", group_size: int = 128, gpu_mem_gb: float = 48.0,
-                 weights_gb: float = 0.0) -> None:
+                 weights_gb: float = 0.0, model: str | None = None) -> None:
+        self.shapes = stored_shapes()
         style = {"description_width": "110px"}
         layout = widgets.Layout(width="420px")
         self.controls = {
-            "layers": widgets.IntSlider(value=layers, min=1, max=128, description="layers", style=style, layout=layout),
-            "kv_heads": widgets.IntSlider(value=kv_heads, min=1, max=64, description="KV heads", style=style, layout=layout),
-            "head_dim": widgets.Dropdown(options=sorted({64, 80, 96, 128, 256, head_dim}), value=head_dim,
-                                         description="head dim", style=style),
-            "tokens": widgets.IntSlider(value=tokens, min=1, max=max(131072, tokens), step=1,
-                                        description="tokens", style=style, layout=layout),
+            "layers": widgets.IntSlider(value=layers, min=1, max=max(128, layers), description="layers",
+                                        style=style, layout=layout),
+            "kv_heads": widgets.IntSlider(value=kv_heads, min=1, max=max(64, kv_heads), description="KV heads",
+                                          style=style, layout=layout),
+            "head_dim": widgets.Dropdown(options=sorted({64, 80, 96, 128, 256, head_dim}
+                                                        | {s.head_dim for s in self.shapes.values()}),
+                                         value=head_dim, description="head dim", style=style),
+            "tokens": widgets.SelectionSlider(options=token_options(tokens), value=tokens, description="tokens",
+                                              style=style, layout=layout),
             "kv_dtype": widgets.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
             "group_size": widgets.Dropdown(options=sorted({16, 32, 64, 128, group_size}), value=group_size,
                                            description="int4 group", style=style),
@@ -36,16 +54,50 @@ class KVCalculator(widgets.VBox):
             "weights_gb": widgets.BoundedFloatText(value=weights_gb, min=0.0, max=10000.0, step=1.0,
                                                    description="weights GB", style=style),
         }
+        self.model = widgets.Dropdown(options=[("custom", CUSTOM)] + [(name, name) for name in self.shapes],
+                                      value=self._matching_model(), description="model", style=style)
         self.result = widgets.Label(layout=widgets.Layout(width="auto"))
+        self._choosing = False  # True while a model choice moves the shape sliders
         for control in self.controls.values():
             control.observe(self._update, names="value")
-        super().__init__(list(self.controls.values()) + [self.result])
+        self.model.observe(self._choose_model, names="value")
+        super().__init__([self.model] + list(self.controls.values()) + [self.result])
+        if model is not None:  # a stored config's shape wins over the layers, kv_heads and head_dim given
+            if stored_name(model) is None:
+                raise ValueError(f"model must be one of {', '.join(self.shapes)} (or None), got {model!r}")
+            self.model.value = stored_name(model)
         self._update()
 
     def values(self) -> dict:
         return {name: control.value for name, control in self.controls.items()}
 
+    def _shape(self) -> KVModelShape:
+        v = self.values()
+        return KVModelShape(v["layers"], v["kv_heads"], v["head_dim"])
+
+    def _matching_model(self) -> str:
+        """The one stored model with the sliders' shape, else custom (two models may share a shape)."""
+        names = [name for name, shape in self.shapes.items() if shape == self._shape()]
+        return names[0] if len(names) == 1 else CUSTOM
+
+    def _choose_model(self, change) -> None:
+        if change["new"] == CUSTOM:
+            return
+        shape = self.shapes[change["new"]]
+        self._choosing = True
+        try:
+            self.controls["layers"].value = shape.layers
+            self.controls["kv_heads"].value = shape.kv_heads
+            self.controls["head_dim"].value = shape.head_dim
+        finally:
+            self._choosing = False
+        self._update()
+
     def _update(self, change=None) -> None:
+        if self._choosing:
+            return  # one update once all three numbers are set
+        if self.model.value != CUSTOM and self.shapes[self.model.value] != self._shape():
+            self.model.value = CUSTOM
         v = self.values()
         try:
             report = kv_report(v["layers"], v["kv_heads"], v["head_dim"], v["tokens"], v["kv_dtype"],
@@ -58,7 +110,8 @@ class KVCalculator(widgets.VBox):
 
 
 def kv_calculator(**defaults) -> KVCalculator:
-    """Build the calculator (defaults: the article's 80-layer model, 32k tokens, two 24 GB GPUs)."""
+    """Build the calculator (defaults: the article's 80-layer model, i.e. Llama-3.1-70B's shape, 32k
+    tokens, two 24 GB GPUs). model="qwen2.5-7b" starts from a stored config."""
     return KVCalculator(**defaults)
 
 
