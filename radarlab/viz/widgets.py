@@ -126,7 +126,9 @@ class BlockPoolStepper(widgets.VBox):
 
     def __init__(self, script=None, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True) -> None:
-        from radarlab.viz.pool import DEFAULT_POOL, DEFAULT_POOL_SCRIPT, sequence_colors
+        from radarlab.viz.pool import (
+            DEFAULT_POOL, DEFAULT_POOL_SCRIPT, max_table_rows, pool_image_size, sequence_colors,
+        )
 
         self.script = tuple(DEFAULT_POOL_SCRIPT if script is None else script)
         self.num_blocks = DEFAULT_POOL["num_blocks"] if num_blocks is None else num_blocks
@@ -141,8 +143,12 @@ class BlockPoolStepper(widgets.VBox):
         self.back_button.on_click(lambda _: self.go(self.position - 1))
         self.next_button.on_click(lambda _: self.go(self.position + 1))
         self.reset_button.on_click(lambda _: self.go(0))
+        self.num_rows = max_table_rows(self.script, self.num_blocks, self.block_size, enable_prefix_caching)
+        self.image_size = pool_image_size(self.num_blocks, self.block_size, self.num_rows)
         self.caption = widgets.HTML()
-        self.image = widgets.Image(format="png", layout=widgets.Layout(width="100%"))
+        # Shown at the PNG's own size (1:1, so 9-point token ids stay 9 points), shrunk only on narrow pages.
+        self.image = widgets.Image(format="png", width=str(self.image_size[0]),
+                                   layout=widgets.Layout(max_width="100%", height="auto"))
         super().__init__([widgets.HBox([self.back_button, self.next_button, self.reset_button]),
                           self.caption, self.image])
         self.go(0)
@@ -160,22 +166,33 @@ class BlockPoolStepper(widgets.VBox):
         else:
             text = result.description
         self.position = position
-        self.snapshot = pool_snapshot(self.state, result.copies if result else (), text)
+        # The caption goes in the HTML above the picture only: drawn as the figure's title too, it showed twice.
+        self.snapshot = pool_snapshot(self.state, result.copies if result else ())
         self.caption.value = f"<b>step {position}/{len(self.script)}</b>: {html.escape(text)}"
         self.back_button.disabled = position == 0
         self.next_button.disabled = position == len(self.script)
         self.image.value = self.render()
 
-    def render(self) -> bytes:
-        """The current snapshot as PNG bytes (matplotlib's Figure, not pyplot: nothing shows twice)."""
+    def figure(self):
+        """The current snapshot drawn on a matplotlib Figure (not pyplot: nothing shows twice) of
+        image_size pixels, one axes filling it, with room for the script's most block tables: every
+        step has the same size, so the page does not jump."""
         from matplotlib.figure import Figure
 
-        from radarlab.viz.pool import draw_pool
+        from radarlab.viz.pool import RENDER_DPI, draw_pool
 
-        fig = Figure(figsize=(10, 3.6))
-        draw_pool(self.snapshot, fig.subplots(), self.colors)
+        width, height = self.image_size
+        fig = Figure(figsize=(width / RENDER_DPI, height / RENDER_DPI), dpi=RENDER_DPI)
+        draw_pool(self.snapshot, fig.add_axes((0, 0, 1, 1)), self.colors, num_rows=self.num_rows)
+        return fig
+
+    def render(self) -> bytes:
+        """The current snapshot as PNG bytes, image_size pixels (no tight bounding box: it would crop
+        each step differently)."""
+        from radarlab.viz.pool import RENDER_DPI
+
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+        self.figure().savefig(buf, format="png", dpi=RENDER_DPI)
         return buf.getvalue()
 
 
