@@ -163,3 +163,20 @@ def test_num_rows_fixes_the_extent():
     assert limits == {((-7.5, 50.5), (-5.6, 9.4))}
     assert max_table_rows(script, 10, 4) == 3
     assert max_table_rows([PoolOp("allocate", s, [1]) for s in "abcde"], 10, 4) == 5
+
+
+@pytest.mark.parametrize("figsize, prompt", [((11, 3.8), [10, 11, 12, 13]), ((10.44, 2.7), [100, 255, 7, 999])])
+def test_token_ids_stay_inside_their_slots(figsize, prompt):
+    """In a smaller figure, or with longer ids, the font shrinks rather than spill into the next slot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    state = PoolState(BlockSpaceManager(10, 4))
+    apply_op(state, PoolOp("allocate", "p", prompt))
+    fig = Figure(figsize=figsize)
+    ax = fig.subplots()
+    draw_pool(pool_snapshot(state), ax)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    slot = ax.transData.transform((1, 0))[0] - ax.transData.transform((0, 0))[0]  # pixels
+    tokens = [t for t in ax.texts if t.get_color() == "white"]
+    assert [t.get_text() for t in tokens] == [str(i) for i in prompt]
+    assert all(t.get_window_extent(renderer).width < 0.95 * slot for t in tokens)

@@ -238,9 +238,20 @@ def max_table_rows(script: Sequence[PoolOp], num_blocks: int, block_size: int,
     return most
 
 
-def _token_font_size(label: str) -> float:
-    """Two digits fit a slot at TOKEN_FONT_SIZE; longer ids get smaller so they stay inside it."""
-    return TOKEN_FONT_SIZE if len(label) <= 2 else TOKEN_FONT_SIZE * 2 / len(label) + 1
+DIGIT_WIDTH_EM = 0.636  # a digit's advance in matplotlib's default font (DejaVu Sans), in ems
+
+
+def _slot_points(ax, extent: tuple[float, float, float, float]) -> float:
+    """A slot's side in points once the axes keeps its aspect equal: the tighter of width and height."""
+    x0, x1, y0, y1 = extent
+    box = ax.get_position()
+    width_in, height_in = ax.figure.get_size_inches()
+    return 72 * min(box.width * width_in / (x1 - x0), box.height * height_in / (y1 - y0))
+
+
+def _token_font_size(label: str, slot_points: float) -> float:
+    """TOKEN_FONT_SIZE, or smaller where the id would not fit in 90% of its slot (long ids, small figures)."""
+    return min(TOKEN_FONT_SIZE, 0.9 * slot_points / (DIGIT_WIDTH_EM * len(label)))
 
 
 def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_tokens: bool = True,
@@ -259,6 +270,8 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
     width = bs + BLOCK_GAP
     pool_y = 0.0
     label_pad = LABEL_PAD
+    extent = pool_extent(n, bs, max(len(snapshot.tables), num_rows or 0))
+    slot_points = _slot_points(ax, extent)
 
     def slot_box(x, y, face, edge="black"):
         ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor=edge, lw=0.8))
@@ -279,7 +292,7 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
                 if filled and show_tokens:
                     label = str(b.tokens[off])
                     ax.text(x0 + off + 0.5, pool_y + 0.5, label, ha="center", va="center",
-                            fontsize=_token_font_size(label), color="white")
+                            fontsize=_token_font_size(label, slot_points), color="white")
         ax.text(x0 + bs / 2, pool_y - 0.35, f"#{b.block_id}", ha="center", va="top", fontsize=8)
         status = {"free": "free", "cached": "cached"}.get(b.state, f"ref {b.ref_count}")
         ax.text(x0 + bs / 2, pool_y - 1.05, status, ha="center", va="top", fontsize=8,
@@ -313,7 +326,7 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
     if snapshot.evictable:
         free_text += f"   cached, evictable (LRU first) {snapshot.evictable}"
     ax.text(-label_pad, pool_y - 4.6, free_text, fontsize=8, ha="left", va="top")
-    x0, x1, y0, y1 = pool_extent(n, bs, max(len(rows), num_rows or 0))
+    x0, x1, y0, y1 = extent
     ax.set_xlim(x0, x1)
     ax.set_ylim(y0, y1)
     ax.set_aspect("equal")
