@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import io
+import struct
 
 import pytest
 from matplotlib.figure import Figure
 
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.viz.pool import (
-    DEFAULT_POOL_SCRIPT, PoolOp, PoolState, apply_op, draw_pool, pool_snapshot, run_pool_script, sequence_colors,
+    DEFAULT_POOL_SCRIPT, PIXELS_PER_SLOT, TOKEN_FONT_SIZE, PoolOp, PoolState, apply_op, draw_pool, max_table_rows,
+    pool_image_size, pool_snapshot, run_pool_script, sequence_colors,
 )
 from radarlab.viz.widgets import block_pool_stepper
 
@@ -104,3 +106,77 @@ def test_draw_pool_labels_every_block_and_table_entry():
 def test_bad_op_raises():
     with pytest.raises(ValueError, match="op must be one of"):
         apply_op(PoolState(BlockSpaceManager(4, 4)), PoolOp("alloc", "a", [1]))
+
+
+def png_size(png: bytes) -> tuple[int, int]:
+    """Width and height from a PNG's IHDR chunk."""
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and png[12:16] == b"IHDR"
+    return struct.unpack(">II", png[16:24])
+
+
+def test_every_step_has_the_same_picture_size_shown_one_to_one():
+    w = block_pool_stepper()
+    assert w.num_rows == 3  # A, B and C after the fork: never more than three tables at once
+    sizes = set()
+    for position in range(len(w.script) + 1):
+        w.go(position)
+        sizes.add(png_size(bytes(w.image.value)))
+    assert sizes == {w.image_size} == {pool_image_size(10, 4, 3)}
+    assert w.image.width == str(w.image_size[0])  # displayed at the PNG's own width: no scaling
+
+
+def test_token_ids_are_legible_and_fit_their_slots():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    w = block_pool_stepper()
+    w.go(1)  # A's 6 tokens: 10 .. 15
+    fig = w.figure()
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    tokens = [t for t in fig.axes[0].texts if t.get_text() in {str(i) for i in range(10, 16)}
+              and t.get_color() == "white"]
+    assert len(tokens) == 6
+    for text in tokens:
+        box = text.get_window_extent(renderer)
+        assert text.get_fontsize() >= TOKEN_FONT_SIZE and box.height >= 10  # pixels in the PNG, shown 1:1
+        assert box.width < PIXELS_PER_SLOT
+
+
+def test_caption_is_shown_once():
+    w = block_pool_stepper()
+    w.go(5)
+    sentence = "nothing is copied (every ref count +1)"
+    assert w.caption.value.count(sentence) == 1
+    fig = w.figure()
+    drawn = [fig.axes[0].get_title(loc=loc) for loc in ("left", "center", "right")]
+    drawn += [t.get_text() for t in fig.axes[0].texts]
+    assert not any(sentence in text for text in drawn)
+
+
+def test_num_rows_fixes_the_extent():
+    script = DEFAULT_POOL_SCRIPT
+    limits = set()
+    for steps in (0, 1, 5):
+        state, _ = run_pool_script(script, 10, 4, steps)
+        ax = Figure().subplots()
+        draw_pool(pool_snapshot(state), ax, num_rows=3)
+        limits.add((ax.get_xlim(), ax.get_ylim()))
+    assert limits == {((-7.5, 50.5), (-5.6, 9.4))}
+    assert max_table_rows(script, 10, 4) == 3
+    assert max_table_rows([PoolOp("allocate", s, [1]) for s in "abcde"], 10, 4) == 5
+
+
+@pytest.mark.parametrize("figsize, prompt", [((11, 3.8), [10, 11, 12, 13]), ((10.44, 2.7), [100, 255, 7, 999])])
+def test_token_ids_stay_inside_their_slots(figsize, prompt):
+    """In a smaller figure, or with longer ids, the font shrinks rather than spill into the next slot."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    state = PoolState(BlockSpaceManager(10, 4))
+    apply_op(state, PoolOp("allocate", "p", prompt))
+    fig = Figure(figsize=figsize)
+    ax = fig.subplots()
+    draw_pool(pool_snapshot(state), ax)
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    slot = ax.transData.transform((1, 0))[0] - ax.transData.transform((0, 0))[0]  # pixels
+    tokens = [t for t in ax.texts if t.get_color() == "white"]
+    assert [t.get_text() for t in tokens] == [str(i) for i in prompt]
+    assert all(t.get_window_extent(renderer).width < 0.95 * slot for t in tokens)

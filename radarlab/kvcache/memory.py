@@ -11,7 +11,8 @@ i.e. 0.5 + 4/g bytes per value. Articles often quote the bare 0.5; the calculato
 
 Sizes are in decimal gigabytes (1 GB = 10^9 bytes), as the article and GPU spec sheets use.
 Everything here is exact integer arithmetic on bytes; rounding happens only when printing.
-Run `python -m radarlab.kvcache.memory --help` for the command-line version.
+Run `python -m radarlab.kvcache.memory --help` for the command-line version; `--model` reads the three
+numbers from a Hugging Face config (a path, a hub id, or a stored name such as llama-3.1-70b).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import json
 import sys
 from dataclasses import asdict, dataclass
 
+from radarlab.kvcache.model_config import load_model_config, stored_config, stored_config_names
 from radarlab.util import require_int, require_number
 
 GB = 10**9  # decimal gigabyte
@@ -202,12 +204,28 @@ def shape_from_hf_config(config) -> KVModelShape:
                         require_int("head_dim", head_dim))
 
 
+def shape_from_model(model: str, local_files_only: bool = False) -> tuple[str, KVModelShape]:
+    """A name for the report and the KV shape of `model`: a directory with config.json, a config.json
+    file, a stored name (llama-3.1-70b, ...) or a hub id. Errors start with "model" and name it."""
+    found = load_model_config(model, local_files_only)
+    try:
+        return found.name, shape_from_hf_config(found.config)
+    except ValueError as err:
+        raise ValueError(f"model {model!r}: {err}") from None
+
+
+def stored_shapes() -> dict[str, KVModelShape]:
+    """{short name: KV shape} of every stored config (what the widget's model dropdown offers)."""
+    return {name: shape_from_hf_config(stored_config(name)) for name in stored_config_names()}
+
+
 def kv_report(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
               group_size: int | None = DEFAULT_GROUP_SIZE, gpu_mem_gb: float | None = None,
-              weights_gb: float = 0.0) -> dict:
-    """Everything the CLI prints, as plain numbers (what --json writes)."""
+              weights_gb: float = 0.0, model: str | None = None) -> dict:
+    """Everything the CLI prints, as plain numbers (what --json writes). `model` only names the shape."""
     fp = kv_footprint(layers, kv_heads, head_dim, tokens, kv_dtype, group_size)
-    out = asdict(fp)
+    out = {"model": model} if model else {}
+    out.update(asdict(fp))
     out.update(
         values_per_token=kv_values_per_token(layers, kv_heads, head_dim),
         bytes_per_token=fp.bytes_per_token,
@@ -233,7 +251,8 @@ def kv_report(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: 
 def format_report(r: dict) -> str:
     """The human-readable version of kv_report's dict."""
     fmt = r["kv_dtype"] + (f" (group {r['group_size']})" if r["group_size"] else "")
-    lines = [f"KV cache: {r['layers']} layers x {r['kv_heads']} KV heads x head dim {r['head_dim']} x 2 (K and V), {fmt}"]
+    lines = [f"model: {r['model']}"] if r.get("model") else []
+    lines += [f"KV cache: {r['layers']} layers x {r['kv_heads']} KV heads x head dim {r['head_dim']} x 2 (K and V), {fmt}"]
     if r["overhead_bytes_per_token"]:
         lines.append(f"  bytes per token:  {r['payload_bytes_per_token']:,} payload + "
                      f"{r['overhead_bytes_per_token']:,} scales/zero points = {r['bytes_per_token']:,}")
@@ -261,11 +280,23 @@ def summary_line(r: dict) -> str:
         size = f"{r['gb_per_stream']:.2f} GB per stream"
     text = f"{r['bytes_per_token']:,} bytes/token | {size}"
     if "max_concurrent_streams" in r:
-        if r["weights_fit"]:
-            text += f" | {r['max_concurrent_streams']} streams fit in {r['kv_budget_gb']:.2f} GB"
+        n = r["max_concurrent_streams"]
+        fit = f"{n} stream{'s' * (n != 1)} fit{'s' * (n == 1)} in"
+        if r["weights_fit"] and r["weights_gb"]:  # the room is what the weights leave, not the GPU
+            text += (f" | {fit} the {r['kv_budget_gb']:.2f} GB left after {r['weights_gb']:.2f} GB of weights "
+                     f"(GPU {r['gpu_mem_gb']:.2f} GB)")
+        elif r["weights_fit"]:
+            text += f" | {fit} {r['kv_budget_gb']:.2f} GB (all of the GPU: no weights counted)"
         else:
             text += f" | weights ({r['weights_gb']:.2f} GB) exceed the GPU ({r['gpu_mem_gb']:.2f} GB)"
     return text
+
+
+_FLAGS = {name: "--" + name.replace("_", "-") for name in
+          ("model", "layers", "kv_heads", "head_dim", "tokens", "kv_dtype", "group_size", "gpu_mem_gb", "weights_gb")}
+
+
+_SHAPE_DEFAULTS = {"layers": 80, "kv_heads": 8, "head_dim": 128}  # the article's model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,9 +305,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV-cache size per token and per stream, and how many streams fit on a GPU. "
                     "Defaults: the article's 80-layer GQA model at 32,768 tokens.",
     )
-    p.add_argument("--layers", type=int, default=80)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--model", default=None, metavar="ID_OR_PATH",
+                   help="read layers, KV heads and head dim from a Hugging Face config: a directory containing "
+                        "config.json, a config.json file, a hub id (needs network), or a stored name: "
+                        + ", ".join(stored_config_names()))
+    for name, default in _SHAPE_DEFAULTS.items():
+        p.add_argument(_FLAGS[name], type=int, default=None, help=f"default {default}; not with --model")
     p.add_argument("--tokens", type=int, default=32768, help="context length of one stream")
     p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
@@ -287,16 +321,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-_FLAGS = {name: "--" + name.replace("_", "-") for name in
-          ("layers", "kv_heads", "head_dim", "tokens", "kv_dtype", "group_size", "gpu_mem_gb", "weights_gb")}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    given = {name: getattr(args, name) for name in _SHAPE_DEFAULTS if getattr(args, name) is not None}
+    if args.model is not None and given:
+        parser.error(f"--model sets --layers, --kv-heads and --head-dim from the config; give --model or "
+                     f"those flags, not both (got {', '.join(_FLAGS[name] for name in given)})")
     try:
-        report = kv_report(args.layers, args.kv_heads, args.head_dim, args.tokens, args.kv_dtype,
-                           args.group_size, args.gpu_mem_gb, args.weights_gb)
+        if args.model is not None:
+            name, shape = shape_from_model(args.model)
+        else:
+            name, shape = None, KVModelShape(**{**_SHAPE_DEFAULTS, **given})
+        report = kv_report(shape.layers, shape.kv_heads, shape.head_dim, args.tokens, args.kv_dtype,
+                           args.group_size, args.gpu_mem_gb, args.weights_gb, model=name)
     except ValueError as err:
         field, _, rest = str(err).partition(" ")
         if field in _FLAGS:  # name the flag the user typed, not the Python parameter

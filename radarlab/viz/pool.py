@@ -202,20 +202,76 @@ def sequence_colors(seq_ids: Sequence[SeqId]) -> dict:
     return out
 
 
-def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_tokens: bool = True) -> None:
+# draw_pool's layout, in data units (a slot is 1 x 1): where things go, so that the picture's extent is
+# known before drawing and a widget can give every step the same size.
+LABEL_PAD = 7.0  # room on the left for row labels
+BLOCK_GAP = 1.0  # between two blocks of the pool
+TABLE_Y = 3.0  # the lowest block-table row
+ROW_PITCH = 1.6  # between block-table rows
+BOTTOM = -5.6  # below the pool: block ids, ref counts, copy arrows, the free list
+TOKEN_FONT_SIZE = 9  # points: at 100 dpi a digit is about 9 pixels tall
+PIXELS_PER_SLOT = 18  # a slot's side in the stepper's PNG: room for a two-digit token id at 9 points
+RENDER_DPI = 100
+
+
+def pool_extent(num_blocks: int, block_size: int, num_rows: int) -> tuple[float, float, float, float]:
+    """draw_pool's data limits (x0, x1, y0, y1) for a pool and at most `num_rows` block tables."""
+    top = TABLE_Y + ROW_PITCH * max(num_rows, 1)
+    return -LABEL_PAD - 0.5, num_blocks * (block_size + BLOCK_GAP) + 0.5, BOTTOM, top + ROW_PITCH
+
+
+def pool_image_size(num_blocks: int, block_size: int, num_rows: int,
+                    pixels_per_slot: int = PIXELS_PER_SLOT) -> tuple[int, int]:
+    """(width, height) in pixels of a picture whose slots are pixels_per_slot wide."""
+    x0, x1, y0, y1 = pool_extent(num_blocks, block_size, num_rows)
+    return round((x1 - x0) * pixels_per_slot), round((y1 - y0) * pixels_per_slot)
+
+
+def max_table_rows(script: Sequence[PoolOp], num_blocks: int, block_size: int,
+                   enable_prefix_caching: bool = True) -> int:
+    """The most sequences holding blocks at once while the script runs: the tallest picture it needs."""
+    state = PoolState(BlockSpaceManager(num_blocks, block_size, enable_prefix_caching))
+    most = 0
+    for op in script:
+        apply_op(state, op)
+        most = max(most, len(state.manager.block_tables))
+    return most
+
+
+DIGIT_WIDTH_EM = 0.636  # a digit's advance in matplotlib's default font (DejaVu Sans), in ems
+
+
+def _slot_points(ax, extent: tuple[float, float, float, float]) -> float:
+    """A slot's side in points once the axes keeps its aspect equal: the tighter of width and height."""
+    x0, x1, y0, y1 = extent
+    box = ax.get_position()
+    width_in, height_in = ax.figure.get_size_inches()
+    return 72 * min(box.width * width_in / (x1 - x0), box.height * height_in / (y1 - y0))
+
+
+def _token_font_size(label: str, slot_points: float) -> float:
+    """TOKEN_FONT_SIZE, or smaller where the id would not fit in 90% of its slot (long ids, small figures)."""
+    return min(TOKEN_FONT_SIZE, 0.9 * slot_points / (DIGIT_WIDTH_EM * len(label)))
+
+
+def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_tokens: bool = True,
+              num_rows: int | None = None) -> None:
     """Draw block tables (top) and the physical pool (bottom) on one matplotlib Axes.
 
     A block's slots are unit squares; filled slots are colored by their holder (gray when shared),
     reserved but unwritten ones are white. Lines join each table entry to its physical block.
+    num_rows fixes the room for block tables (default: this snapshot's), so that pictures of several
+    states of one pool have the same extent (pool_extent).
     """
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     bs, n = snapshot.block_size, snapshot.num_blocks
     colors = colors or sequence_colors(list(snapshot.tables))
-    gap = 1.0
-    width = bs + gap
+    width = bs + BLOCK_GAP
     pool_y = 0.0
-    label_pad = 7.0  # room on the left for row labels
+    label_pad = LABEL_PAD
+    extent = pool_extent(n, bs, max(len(snapshot.tables), num_rows or 0))
+    slot_points = _slot_points(ax, extent)
 
     def slot_box(x, y, face, edge="black"):
         ax.add_patch(Rectangle((x, y), 1, 1, facecolor=face, edgecolor=edge, lw=0.8))
@@ -234,11 +290,12 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
                 filled = off < b.num_filled
                 slot_box(x0 + off, pool_y, color if filled else "white")
                 if filled and show_tokens:
-                    ax.text(x0 + off + 0.5, pool_y + 0.5, str(b.tokens[off]), ha="center", va="center",
-                            fontsize=6, color="white")
+                    label = str(b.tokens[off])
+                    ax.text(x0 + off + 0.5, pool_y + 0.5, label, ha="center", va="center",
+                            fontsize=_token_font_size(label, slot_points), color="white")
         ax.text(x0 + bs / 2, pool_y - 0.35, f"#{b.block_id}", ha="center", va="top", fontsize=8)
         status = {"free": "free", "cached": "cached"}.get(b.state, f"ref {b.ref_count}")
-        ax.text(x0 + bs / 2, pool_y - 1.05, status, ha="center", va="top", fontsize=7,
+        ax.text(x0 + bs / 2, pool_y - 1.05, status, ha="center", va="top", fontsize=8,
                 color="black" if b.ref_count else "0.4")
 
     # Copy-on-write arrows under the pool.
@@ -252,7 +309,7 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
     # The block tables, one row per sequence, above the pool.
     rows = list(snapshot.tables.items())
     for r, (seq, table) in enumerate(rows):
-        y = pool_y + 3.0 + 1.6 * (len(rows) - 1 - r)
+        y = pool_y + TABLE_Y + ROW_PITCH * (len(rows) - 1 - r)
         color = colors.get(seq, "tab:gray")
         ax.text(-label_pad, y + 0.5, f"{seq} ({snapshot.num_tokens[seq]} tok)", ha="left", va="center",
                 fontsize=8, color=color, weight="bold")
@@ -261,7 +318,7 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
             ax.add_patch(Rectangle((x, y), 1.4, 1, facecolor="white", edgecolor=color, lw=1.5))
             ax.text(x + 0.7, y + 0.5, str(block_id), ha="center", va="center", fontsize=8)
             ax.plot([x + 0.7, block_id * width + bs / 2], [y, pool_y + 1.05], color=color, lw=0.8, alpha=0.6)
-    top = pool_y + 3.0 + 1.6 * max(len(rows), 1)
+    top = pool_y + TABLE_Y + ROW_PITCH * max(len(rows), 1)
     if rows:
         ax.text(-label_pad, top + 0.3, "block tables (logical block i -> physical block id)", fontsize=8,
                 ha="left", va="bottom")
@@ -269,8 +326,9 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
     if snapshot.evictable:
         free_text += f"   cached, evictable (LRU first) {snapshot.evictable}"
     ax.text(-label_pad, pool_y - 4.6, free_text, fontsize=8, ha="left", va="top")
-    ax.set_xlim(-label_pad - 0.5, n * width + 0.5)
-    ax.set_ylim(pool_y - 5.6, top + 1.6)
+    x0, x1, y0, y1 = extent
+    ax.set_xlim(x0, x1)
+    ax.set_ylim(y0, y1)
     ax.set_aspect("equal")
     ax.axis("off")
     if snapshot.caption:
