@@ -15,6 +15,15 @@ def verdict(exercise: str, counterexample: str | None) -> bool:
     return False
 
 
+def learner_or_reference(name: str, learner, passed: bool, reference):
+    """What the cells after an exercise use: the learner's code if it passed its checker, otherwise
+    radarlab's reference, said in one line, so a skipped exercise never breaks the rest."""
+    if passed:
+        return learner
+    print(f"the cells below use radarlab's {reference.__module__}.{reference.__qualname__} in place of your {name}")
+    return reference
+
+
 def call_learner(thunk: Callable[[], object], description: str) -> tuple[object, str | None]:
     """Run a learner's code: (result, None), or (None, a plain-words problem) when it is not written
     yet or crashes, so that a learner's bug reads as a counterexample rather than a traceback."""
@@ -158,6 +167,8 @@ def check_append_to_contiguous_cache(append_to_contiguous_cache) -> bool:
     whole context's keys and values come back."""
     import torch
 
+    from radarlab.kvcache.contiguous import append_to_row
+
     name = "append_to_contiguous_cache"
     gen = torch.Generator().manual_seed(0)
 
@@ -182,8 +193,7 @@ def check_append_to_contiguous_cache(append_to_contiguous_cache) -> bool:
     for description, k_cache, v_cache, row, seq_len, k, v in cases:
         start = seq_len - k.shape[0]
         want_k, want_v = k_cache.clone(), v_cache.clone()
-        want_k[row, start:seq_len] = k
-        want_v[row, start:seq_len] = v
+        append_to_row(want_k, want_v, row, seq_len, k, v)
         got, problem = call_learner(
             lambda: append_to_contiguous_cache(k_cache, v_cache, row, seq_len, k.clone(), v.clone()), description)
         if problem:
@@ -211,12 +221,11 @@ def check_reservation_utilisation(reservation_utilisation) -> bool:
     paged): the fraction of reserved positions that hold tokens, for a snapshot of running requests."""
     import math
 
-    from radarlab.util import cdiv
+    from radarlab.bench.reservation import snapshot_utilisation
 
     name = "reservation_utilisation"
 
-    def want(lens, max_len, bs):
-        return sum(lens) / (len(lens) * max_len), sum(lens) / sum(cdiv(n, bs) * bs for n in lens)
+    want = snapshot_utilisation
 
     cases = [  # (description, context_lens, max_model_len, block_size)
         ("context_lens=[3, 5], max_model_len=8, block_size=4", [3, 5], 8, 4),

@@ -86,7 +86,8 @@ def exercises_without_checker(nb) -> list[int]:
 
 
 def learner_copy(nb):
-    """A copy of nb with solutions replaced by nbgrader's stub and all outputs cleared."""
+    """A copy of nb with solutions replaced by nbgrader's stub, all outputs cleared and no execution
+    metadata (the timestamps nbclient records in each cell)."""
     try:
         from nbconvert.preprocessors import ClearOutputPreprocessor
         from nbgrader.preprocessors import ClearSolutions
@@ -100,6 +101,8 @@ def learner_copy(nb):
     # cells, because the course does not use the rest of nbgrader's pipeline.
     out, resources = ClearSolutions(enforce_metadata=False).preprocess(out, {})
     out, _ = ClearOutputPreprocessor().preprocess(out, resources)
+    for cell in out.cells:  # when and how long the maintainer's run took is nobody's business
+        cell.get("metadata", {}).pop("execution", None)
     return out
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate,
+    RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate, thrash_sweep,
 )
 from radarlab.bench.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
@@ -237,3 +237,19 @@ def test_chunked_prompt_blocks_follow_the_chunks():
     assert got["held_whole_prompt"] == [7, 7, 7, 7]
     with pytest.raises(ValueError, match="prompt_len must be a positive int"):
         chunked_prompt_blocks(0, 32, 16)
+
+
+def test_thrash_falls_with_fewer_seats_and_a_watermark():
+    """More seats than the pool can carry admit requests that are later preempted; a watermark or
+    fewer seats trades that recomputation away."""
+    requests = make_workload(SMALL.workload)
+    cache = paged(SMALL.budget_tokens, SMALL.block_size)
+    rows = {(r["max_num_seqs"], r["watermark"]): r
+            for r in thrash_sweep(requests, cache, SMALL.workload.max_model_len, (4, 256), (0.0, 0.2))}
+    eager = rows[(256, 0.0)]
+    assert eager["preemptions"] > 0 and eager["recompute_share"] > 0
+    assert rows[(256, 0.2)]["recompute_share"] < eager["recompute_share"]
+    assert rows[(4, 0.0)]["preemptions"] == 0 and rows[(4, 0.0)]["recompute_share"] == 0
+    for r in rows.values():  # the same work is done whatever is recomputed
+        assert r["tokens_computed"] * (1 - r["recompute_share"]) == pytest.approx(
+            sum(q.max_cached_tokens for q in requests))

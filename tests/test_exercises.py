@@ -5,6 +5,8 @@ copy test goes through `make exercises`, which runs the generator in its own ven
 """
 from __future__ import annotations
 
+import ast
+
 import importlib.util
 import json
 import re
@@ -42,6 +44,8 @@ def _demo_notebook():
     exercise.outputs = [nbformat.v4.new_output("stream", name="stdout", text="kept after the markers\n")]
     check = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nradarlab.checks.check_double(double)", execution_count=4)
     check.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "True"}, execution_count=4)]
+    check.metadata["execution"] = {"iopub.execute_input": "2026-11-30T18:00:00.000000Z",
+                                   "shell.execute_reply": "2026-11-30T18:00:01.000000Z"}
     nb.cells = [intro, exercise, check]
     return nb
 
@@ -83,6 +87,7 @@ def test_outputs_cleared(learner_copies):
     for cell in nb.cells:
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
+        assert "execution" not in cell.metadata  # no timestamps of the maintainer's run
 
 
 def test_only_numbered_notebooks_are_copied(learner_copies):
@@ -164,6 +169,41 @@ def test_checkers_are_compared_by_nbval_and_pass_with_the_solution(path):
             f"{path.name}: the checker after the exercise in cell {start} does not show PASS in its saved "
             f"output; execute the notebook with its solution in place"
         )
+
+
+def _names_used(source: str) -> set[str]:
+    source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_a_skipped_exercise_never_breaks_later_cells(path):
+    """Whatever an exercise defines and a later cell uses passes through learner_or_reference in its
+    checker cell: a learner who skips it gets radarlab's reference there, not a NotImplementedError."""
+    nb = _read(path)
+    cells = nb["cells"]
+    for start, index in checker_cells(nb).items():
+        if index is None:
+            continue
+        tree = ast.parse(_text(cells[start]))
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        later = set().union(*(_names_used(_text(c)) for c in cells[index + 1:] if c["cell_type"] == "code"))
+        for name in sorted(defined & later):
+            assert f"{name} = learner_or_reference(" in _text(cells[index]), (
+                f"{path.name}: cell {start}'s {name} is used after its checker, but the checker cell does not "
+                f"fall back to a reference (`{name} = learner_or_reference(...)`)")
+
+
+def test_learner_or_reference_falls_back_and_says_so(capsys):
+    from radarlab.checks import learner_or_reference
+    from radarlab.util import cdiv
+
+    def mine(a, b):
+        raise NotImplementedError()
+
+    assert learner_or_reference("cdiv", mine, True, cdiv) is mine and capsys.readouterr().out == ""
+    assert learner_or_reference("cdiv", mine, False, cdiv) is cdiv
+    assert capsys.readouterr().out == "the cells below use radarlab's radarlab.util.cdiv in place of your cdiv\n"
 
 
 @pytest.mark.parametrize("name", ["00_welcome", "01_memory_wall"])

@@ -31,3 +31,15 @@ def attention_reference(
         scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
+
+
+def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
+                          values: torch.Tensor):
+    """Fold one block of scores [G, N] and values [N, D] into the running state of G query heads:
+    m [G] the largest score so far, l [G] the sum of exp(score - m), acc [G, D] the sum of
+    exp(score - m) * value. acc / l after the last block is softmax attention: what a paged kernel
+    computes one block at a time, without ever holding all the scores (FlashAttention's rescaling)."""
+    m_new = torch.maximum(m, scores.max(dim=1).values)
+    alpha = torch.exp(m - m_new)  # rescales what was summed under the old maximum
+    p = torch.exp(scores - m_new[:, None])
+    return m_new, l * alpha + p.sum(dim=1), acc * alpha[:, None] + p @ values

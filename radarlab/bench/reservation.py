@@ -98,11 +98,11 @@ class UpfrontBlockSpaceManager(BlockSpaceManager):
         super().__init__(num_slots, 1, enable_prefix_caching=False)
         self.reserve = reserve
 
-    def can_allocate(self, seq: Sequence) -> AllocStatus:
+    def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> AllocStatus:
         need = self.reserve(seq)
         if need > self.num_blocks:
             return AllocStatus.NEVER
-        return AllocStatus.OK if need <= self.num_free_blocks else AllocStatus.LATER
+        return AllocStatus.OK if need + watermark_blocks <= self.num_free_blocks else AllocStatus.LATER
 
     def allocate(self, seq: Sequence, num_new_tokens: int | None = None) -> int:
         if seq.seq_id in self.block_tables:
@@ -268,6 +268,19 @@ def _record(result: SimResult, manager: BlockSpaceManager, scheduler: Scheduler,
     result.running.append(len(scheduler.running))
     result.waiting.append(len(scheduler.waiting))
     result.computed.append(num_computed)
+
+
+def snapshot_utilisation(context_lens, max_model_len: int, block_size: int) -> tuple[float, float]:
+    """(contiguous, paged): the fraction of reserved KV positions that hold tokens, for one snapshot
+    of running requests with these context lengths: max_model_len reserved per request, against each
+    request's blocks rounded up to whole blocks."""
+    if not context_lens:
+        raise ValueError("context_lens is empty")
+    for n in context_lens:
+        if not 1 <= n <= max_model_len:
+            raise ValueError(f"a context of {n} tokens is outside 1..{max_model_len}")
+    used = sum(context_lens)
+    return used / (len(context_lens) * max_model_len), used / sum(cdiv(n, block_size) * block_size for n in context_lens)
 
 
 def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int, block_size: int) -> dict[str, list[int]]:

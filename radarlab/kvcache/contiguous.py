@@ -55,8 +55,16 @@ class ContiguousKVCache:
             if seq_len > self.max_len:
                 raise KVCacheFull(f"sequence {b} needs {seq_len} positions; the cache row holds {self.max_len}")
             lo, hi = bounds[b], bounds[b + 1]
-            start = seq_len - (hi - lo)
-            self.k[layer, row, start:seq_len] = k[lo:hi]
-            self.v[layer, row, start:seq_len] = v[lo:hi]
-            out[lo:hi] = attention_reference(q[lo:hi], self.k[layer, row, :seq_len], self.v[layer, row, :seq_len], scale)
+            keys, values = append_to_row(self.k[layer], self.v[layer], row, seq_len, k[lo:hi], v[lo:hi])
+            out[lo:hi] = attention_reference(q[lo:hi], keys, values, scale)
         return out
+
+
+def append_to_row(k_cache, v_cache, row: int, seq_len: int, k, v):
+    """The contiguous cache's whole write: the n newest tokens' k, v [n, kv_heads, D] go to positions
+    seq_len - n .. seq_len - 1 of `row` (in place, in one layer's [max_seqs, max_len, kv_heads, D]
+    tensors), and the row's first seq_len positions come back: the context attention reads."""
+    start = seq_len - k.shape[0]
+    k_cache[row, start:seq_len] = k
+    v_cache[row, start:seq_len] = v
+    return k_cache[row, :seq_len], v_cache[row, :seq_len]
