@@ -606,6 +606,77 @@ def check_schedule_token_budget(schedule_token_budget) -> bool:
     return verdict(name, None)
 
 
+def _preemption_reference(running, free_blocks, block_size=4):
+    """Which running requests radarlab's Scheduler preempts this step, in order, set up in that state:
+    running[i] = (blocks_held, needs_new_block) in arrival order, every request decoding, free_blocks
+    free in the pool."""
+    from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
+    from radarlab.kvcache.block_table import BlockSpaceManager
+
+    manager = BlockSpaceManager(sum(held for held, _ in running) + free_blocks, block_size, enable_prefix_caching=False)
+    scheduler = Scheduler(manager, max_num_seqs=max(1, len(running)), max_num_batched_tokens=4096,
+                          max_model_len=4096)
+    for i, (held, needs_new) in enumerate(running):
+        # a full last block means the next token needs a new one; one slot left means it does not
+        computed = held * block_size - (0 if needs_new else 1)
+        request = Request(i, [1] * computed, SamplingParams())
+        manager.allocate(request)
+        request.num_computed_tokens = computed
+        request.append_token_ids([1])  # the token this step feeds in
+        request.status = RequestStatus.RUNNING
+        scheduler.running.append(request)
+    return [r.request_id for r in scheduler.schedule().preempted]
+
+
+def check_preemption_rule(preempt) -> bool:
+    """Check a learner's preempt(running, free_blocks) -> preempted indices, in the order preempted.
+    running[i] = (blocks_held, needs_new_block), oldest first; each request needing a block takes one,
+    and when none is free the newest running request is preempted (its blocks freed) until it fits,
+    or until the request itself was the newest. The reference is radarlab's Scheduler in that state."""
+    import random
+
+    name = "preempt"
+    rng = random.Random(9)
+    cases = [  # (description, running, free_blocks)
+        ("running=[(2, True), (2, True)], free_blocks=1 (both need a block, one is free)",
+         [(2, True), (2, True)], 1),
+        ("running=[(1, True), (3, False), (1, True)], free_blocks=0",
+         [(1, True), (3, False), (1, True)], 0),
+        ("running=[(1, False), (1, False)], free_blocks=0 (nobody needs a block)", [(1, False), (1, False)], 0),
+        ("running=[(3, True)], free_blocks=0 (alone and out of blocks: it preempts itself)", [(3, True)], 0),
+        ("running=[(1, True), (1, True), (1, True), (1, True)], free_blocks=0 (each victim frees one block)",
+         [(1, True)] * 4, 0),
+        ("running=[(1, True), (2, False), (1, True)], free_blocks=0 (a victim that needed nothing still frees "
+         "its blocks)", [(1, True), (2, False), (1, True)], 0),
+        ("running=[(1, True), (1, True), (3, False)], free_blocks=0 (the victim frees 3 blocks: enough for "
+         "both)", [(1, True), (1, True), (3, False)], 0),
+        ("running=[], free_blocks=3 (nothing runs)", [], 3),
+    ]
+    for k in range(6):
+        running = [(rng.randint(1, 4), rng.random() < 0.6) for _ in range(rng.randint(2, 8))]
+        free = rng.randint(0, 2)
+        cases.append((f"random case {k + 1}: running={running}, free_blocks={free}", running, free))
+    for description, running, free in cases:
+        want = _preemption_reference(running, free)
+        got, problem = call_learner(lambda: preempt(list(running), free), description)
+        if problem:
+            return verdict(name, problem)
+        try:
+            got_list = [int(i) for i in got]
+        except TypeError:
+            return verdict(name, f"for {description} it returned {got!r}; expected a list of indices {want}")
+        if got_list != want:
+            if sorted(got_list) == sorted(want):
+                hint = " (the same requests, in another order: preempt the newest first)"
+            elif want and got_list and got_list[0] == 0 != want[0]:
+                hint = " (preempt the newest running request, the last in the list, not the oldest)"
+            else:
+                hint = (" (each preempted request frees all the blocks it holds, and serving continues in "
+                        "arrival order)")
+            return verdict(name, f"for {description} it returned {got_list}, expected {want}{hint}")
+    return verdict(name, None)
+
+
 def check_latency_metrics(latency_metrics) -> bool:
     """Check a learner's latency_metrics(arrival, token_times) -> [(ttft, mean_itl), ...] against
     radarlab.engine.timeline.latency_metrics: TTFT from each request's own arrival, the mean gap

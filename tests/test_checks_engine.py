@@ -6,7 +6,9 @@ import random
 
 import pytest
 
-from radarlab.checks import _schedule_token_budget_reference, check_latency_metrics, check_schedule_token_budget
+from radarlab.checks import (
+    _schedule_token_budget_reference, check_latency_metrics, check_preemption_rule, check_schedule_token_budget,
+)
 from radarlab.engine import Request, SamplingParams, Scheduler
 from radarlab.kvcache.block_table import BlockSpaceManager
 
@@ -214,3 +216,70 @@ def test_latency_metrics_mistakes_fail(capsys, fn, message):
     out = capsys.readouterr().out
     assert out.startswith("FAIL latency_metrics: ") and out.count("\n") == 1
     assert message in out
+
+
+# --- preemption rule -------------------------------------------------------------------------------
+def preempt(running, free_blocks):
+    """The notebook's solution."""
+    alive = list(range(len(running)))
+    preempted = []
+    for i, (held, needs_new_block) in enumerate(running):
+        if i >= len(alive):
+            break
+        if not needs_new_block:
+            continue
+        while free_blocks == 0:
+            victim = alive.pop()
+            preempted.append(victim)
+            free_blocks += running[victim][0]
+        if i in preempted:
+            break
+        free_blocks -= 1
+    return preempted
+
+
+def _oldest_first(running, free_blocks):
+    alive, preempted = list(range(len(running))), []
+    for i, (held, needs) in enumerate(running):
+        if i not in alive or not needs:
+            continue
+        while free_blocks == 0 and alive:
+            victim = alive.pop(0)
+            preempted.append(victim)
+            free_blocks += running[victim][0]
+        if i in preempted:
+            continue
+        free_blocks -= 1
+    return preempted
+
+
+def _never_frees(running, free_blocks):
+    alive, preempted = list(range(len(running))), []
+    for i, (held, needs) in enumerate(running):
+        if i >= len(alive):
+            break
+        if needs and free_blocks == 0:
+            victim = alive.pop()
+            preempted.append(victim)  # but its blocks are not returned to the pool
+            if victim == i:
+                break
+        elif needs:
+            free_blocks -= 1
+    return preempted
+
+
+def test_preemption_solution_passes(capsys):
+    assert check_preemption_rule(preempt) is True
+    assert capsys.readouterr().out == "PASS preempt\n"
+
+
+@pytest.mark.parametrize("fn,message", [
+    (lambda running, free_blocks: _stub(running, free_blocks, 0, 0), "not written yet"),
+    (_oldest_first, "preempt the newest running request"),
+    (_never_frees, "frees all the blocks it holds"),
+    (lambda running, free: [], "it returned [], expected [1]"),
+])
+def test_preemption_mistakes_fail(capsys, fn, message):
+    assert check_preemption_rule(fn) is False
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL preempt: ") and message in out
