@@ -324,7 +324,7 @@ def test_bad_input():
     a, _ = alloc(m, "a", [3, 4])
     with pytest.raises(ValueError, match="already has a block table"):
         m.allocate(Sequence("a", [1]))
-    with pytest.raises(ValueError, match="num_new_tokens must be an int >= 0"):
+    with pytest.raises(ValueError, match="num_new_tokens must be a non-negative int"):
         m.append_slots(a, -1)
     with pytest.raises(ValueError, match="num_new_tokens must be an int"):
         m.append_slots(a, True)
