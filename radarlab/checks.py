@@ -372,6 +372,154 @@ def check_ref_count_allocator(allocator_class) -> bool:
     return verdict(name, None)
 
 
+def _cow_scenarios():
+    """Scripts of (op, *args) for check_append_with_cow: hand-written ones first, each aimed at one rule,
+    then random fork/append/free runs. Every ("append", name, n) step is checked."""
+    import random
+
+    fixed = [  # (block_size, num_blocks, script)
+        (4, 8, [("allocate", "A", 3), ("append", "A", 1), ("append", "A", 1)]),
+        (4, 8, [("allocate", "A", 6), ("fork", "A", "B"), ("append", "A", 1), ("append", "B", 1)]),
+        (4, 8, [("allocate", "A", 8), ("fork", "A", "B"), ("append", "A", 1)]),
+        (4, 8, [("allocate", "A", 6), ("fork", "A", "B"), ("append", "A", 7)]),
+        (4, 4, [("allocate", "A", 6), ("fork", "A", "B"), ("allocate", "C", 4), ("append", "A", 3),
+                ("append", "A", 2)]),
+        (1, 6, [("allocate", "A", 3), ("fork", "A", "B"), ("append", "A", 1), ("append", "B", 2)]),
+    ]
+    rng = random.Random(9)
+    randomised = []
+    for _ in range(6):
+        block_size = rng.choice([1, 2, 4])
+        num_blocks = rng.randint(6, 16) // block_size + 4
+        script, live, made = [("allocate", "s0", rng.randint(1, 2 * block_size))], ["s0"], 1
+        for _ in range(14):
+            roll = rng.random()
+            if roll < 0.3 and len(live) < 4:
+                child = f"s{made}"
+                script.append(("fork", rng.choice(live), child))
+                live.append(child)
+                made += 1
+            elif roll < 0.45 and len(live) > 1:
+                gone = rng.choice(live)
+                script.append(("free", gone))
+                live.remove(gone)
+            else:
+                script.append(("append", rng.choice(live), rng.choice([1, 1, 1, 2, 3, block_size + 1])))
+        randomised.append((block_size, num_blocks, script))
+    return fixed + randomised
+
+
+def check_append_with_cow(append_with_cow) -> bool:
+    """Check a learner's append_with_cow(allocator, block_ids, num_slots, num_new, block_size) ->
+    (block_ids, copies), the heart of BlockSpaceManager.append_slots without prefix caching.
+
+    Scripts of allocate, fork, append and free run on radarlab's BlockSpaceManager. Before every
+    append the learner's function gets a copy of the manager's allocator and of the sequence's block
+    list; its answer must equal what append_slots then does: the same table, the same copy pairs,
+    and the same ref counts and free list afterwards. When the pool is short it must raise
+    NoFreeBlocks and leave both the list and the allocator as they were."""
+    import copy
+
+    from radarlab.kvcache.block_table import BlockSpaceManager
+    from radarlab.kvcache.blocks import NoFreeBlocks
+    from radarlab.kvcache.sequence import Sequence
+    from radarlab.util import cdiv
+
+    name = "append_with_cow"
+    fixed_count = 6
+
+    def blocks(n):
+        return f"{n} block{'' if n == 1 else 's'}"
+
+    for n, (bs, num_blocks, script) in enumerate(_cow_scenarios()):
+        manager = BlockSpaceManager(num_blocks, bs, enable_prefix_caching=False)
+        seqs = {}
+        for op, *args in script:
+            if op == "allocate":
+                seqs[args[0]] = Sequence(args[0], [7] * args[1])
+                manager.allocate(seqs[args[0]])
+                continue
+            if op == "fork":
+                seqs[args[1]] = Sequence(args[1], list(seqs[args[0]].all_token_ids))
+                manager.fork(seqs[args[0]], seqs[args[1]])
+                continue
+            if op == "free":
+                manager.free(seqs.pop(args[0]))
+                continue
+            seq, num_new = seqs[args[0]], args[1]
+            alloc = manager.allocator
+            table, num_slots, free = manager.get_block_table(seq), manager.num_slots(seq), alloc.num_free_blocks
+            counts = [alloc.ref_count(b) for b in table]
+            shared = num_slots % bs != 0 and counts[-1] > 1
+            need = cdiv(num_slots + num_new, bs) - len(table) + int(shared)
+            where = "" if n < fixed_count else "in a random run of allocate, fork, append and free: "
+            state = (f"{where}a sequence with {num_slots} tokens in blocks {table} (block size {bs}, their ref counts "
+                     f"{counts}), {blocks(free)} free, appending {num_new} token{'s' if num_new > 1 else ''}")
+            mine, given = copy.deepcopy(alloc), list(table)
+            before = (list(alloc.ref_counts), list(alloc.free_block_ids))
+            try:
+                got, raised = append_with_cow(mine, given, num_slots, num_new, bs), None
+            except NotImplementedError:
+                return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+            except NoFreeBlocks as err:
+                got, raised = None, err
+            except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+                return verdict(name, f"for {state} it raised {type(err).__name__}: {err}")
+            seq.append_token_ids([7] * num_new)
+            try:
+                want_copies = manager.append_slots(seq, num_new)
+            except NoFreeBlocks:
+                seq.truncate(seq.num_tokens - num_new)
+                if raised is None:
+                    return verdict(name, f"for {state} it returned {got!r}; it needs {blocks(need)} with {free} free, "
+                                         f"so it should raise NoFreeBlocks")
+                changed = [f"{what} {now} (before: {was})" for what, now, was in (
+                    ("ref counts", list(mine.ref_counts), before[0]),
+                    ("free list", list(mine.free_block_ids), before[1]), ("block list", given, table)) if now != was]
+                if changed:
+                    return verdict(name, f"for {state} it raised NoFreeBlocks (right: it needs {blocks(need)}) but "
+                                         f"changed things first: {'; '.join(changed)}. Count what you need before "
+                                         f"taking any block")
+                continue
+            want_table = manager.get_block_table(seq)
+            if raised is not None:
+                return verdict(name, f"for {state} it raised NoFreeBlocks ({raised}), but it needs only "
+                                     f"{blocks(need)} and {free} are free")
+            try:
+                got_table, got_copies = got
+                got_table = [int(b) for b in got_table]
+                got_copies = [tuple(int(b) for b in pair) for pair in got_copies]
+            except (TypeError, ValueError):
+                return verdict(name, f"for {state} it returned {got!r}; expected (block_ids, copies), here "
+                                     f"({want_table}, {want_copies})")
+            if got_copies != want_copies or got_table != want_table:
+                if want_copies and not got_copies:
+                    hint = (f"block {table[-1]} is partly filled and shared (ref count {counts[-1]}): take a private "
+                            f"copy before writing into it")
+                elif got_copies and not want_copies:
+                    hint = (f"the last block is full ({num_slots} is a multiple of {bs}): the new tokens go into "
+                            f"new blocks, so nothing needs copying" if num_slots % bs == 0 else
+                            f"block {table[-1]} is not shared (ref count {counts[-1]}): write into it, no copy")
+                elif len(got_table) != len(want_table):
+                    hint = (f"{num_slots} + {num_new} tokens need cdiv({num_slots + num_new}, {bs}) = "
+                            f"{blocks(len(want_table))}")
+                elif sorted(got_table) == sorted(want_table):
+                    hint = "take the private copy first, then the new blocks"
+                else:
+                    hint = "allocate with allocator.allocate() or allocate_many(n), which take the free list in order"
+                return verdict(name, f"for {state} it returned blocks {got_table} and copies {got_copies}; expected "
+                                     f"{want_table} and {want_copies} ({hint})")
+            if list(mine.ref_counts) != list(alloc.ref_counts):
+                hint = " (after taking a private copy, let go of the shared block once: allocator.free)" \
+                    if want_copies else ""
+                return verdict(name, f"for {state} the ref counts became {mine.ref_counts}; expected "
+                                     f"{alloc.ref_counts}{hint}")
+            if list(mine.free_block_ids) != list(alloc.free_block_ids):
+                return verdict(name, f"for {state} the free list became {list(mine.free_block_ids)}; expected "
+                                     f"{list(alloc.free_block_ids)}")
+    return verdict(name, None)
+
+
 # --- notebook 04: paged attention kernels ----------------------------------------------------------
 
 def check_reshape_and_cache(reshape_and_cache) -> bool:
