@@ -579,6 +579,110 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
     return verdict(name, None)
 
 
+def _raised_not_written(err: BaseException) -> bool:
+    """Whether an error comes from a stub: a NotImplementedError, also when Triton wraps it (the
+    interpreter raises InterpreterError from it; the compiler rejects the raise with its source)."""
+    while err is not None:
+        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def check_store_kv_kernel(store_kv) -> bool:
+    """Check a learner's store-KV Triton kernel through its launcher store_kv(k, v, k_cache, v_cache,
+    slot_mapping), against radarlab.kvcache.paged_cache.reshape_and_cache, bit for bit.
+
+    A kernel writes through raw pointers, so a wrong address lands outside the pool instead of raising.
+    Each pool is therefore a view into a bigger buffer: one block of guard before it (where slot -1
+    lands if padding is not skipped) and num_blocks * block_size blocks after it (where a slot used as
+    a block id lands). Everything outside the pool must keep its marker value, and so must every slot
+    no token maps to. Few tokens per case: under TRITON_INTERPRET=1 every program runs in Python."""
+    import torch
+
+    from radarlab.device import default_device
+    from radarlab.kvcache.paged_cache import reshape_and_cache as reference
+
+    name = "store_kv_kernel"
+    device = default_device()
+    gen = torch.Generator().manual_seed(6)
+    cases = [  # (description, num_blocks, block_size, kv_heads, head_dim, slots)
+        ("3 tokens into slots [5, 6, 7] of a pool of 3 blocks of 4 (block 1, rows 1-3), 2 KV heads, head_dim 16",
+         3, 4, 2, 16, [5, 6, 7]),
+        ("4 tokens with slots [9, -1, 2, -1] in 3 blocks of 4 (-1 is padding: nothing is written for it)",
+         3, 4, 2, 16, [9, -1, 2, -1]),
+        ("block size 1 (the slot is the block id), slots [3, 0, 2], 3 KV heads (padded to 4 lanes), head_dim 16",
+         4, 1, 3, 16, [3, 0, 2]),
+        ("5 tokens at slots [37, 15, -1, 0, 63] of 4 blocks of 16, 3 KV heads, head_dim 32",
+         4, 16, 3, 32, [37, 15, -1, 0, 63]),
+        ("head_dim 24 (padded to 32 lanes), 2 KV heads, slots [6, 1, -1] of 2 blocks of 4", 2, 4, 2, 24, [6, 1, -1]),
+    ]
+    marker = 7.0
+    for description, num_blocks, bs, heads, dim, slots in cases:
+        k = torch.randn(len(slots), heads, dim, generator=gen)
+        v = torch.randn(len(slots), heads, dim, generator=gen)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        shape = (num_blocks, bs, heads, dim)
+        want = {"k_cache": torch.full(shape, marker), "v_cache": torch.full(shape, marker)}
+        reference(k, v, want["k_cache"], want["v_cache"], slot_mapping)
+        guard_after = num_blocks * bs
+        buffers = {pool: torch.full((1 + num_blocks + guard_after, bs, heads, dim), marker, device=device)
+                   for pool in want}
+        got = {pool: buffer[1:1 + num_blocks] for pool, buffer in buffers.items()}
+        try:
+            store_kv(k.to(device), v.to(device), got["k_cache"], got["v_cache"], slot_mapping.to(device))
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            if _raised_not_written(err):
+                return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
+            while err.__cause__ is not None:  # the learner's error, not Triton's wrapper around it
+                err = err.__cause__
+            hint = (" (the interpreter cannot store under a mask that combines a block with a single value, such "
+                    "as (d < head_dim) & (slot >= 0); skip padding with `if slot < 0: return` instead)"
+                    if "mask has unsupported dtype" in str(err) else "")
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}{hint}")
+        for pool, buffer in buffers.items():
+            buffer = buffer.cpu()
+            before, after = buffer[:1] != marker, buffer[1 + num_blocks:] != marker
+            if before.any():
+                hint = (f"slot -1 is padding: skip it, or its block -1 // {bs} and row -1 % {bs} point before the "
+                        f"pool" if -1 in slots else "check the destination address")
+                return verdict(name, f"for {description} it wrote {int(before.sum())} values into the memory just "
+                                     f"before {pool} ({hint})")
+            if after.any():
+                hint = ("is the slot used as a block id? block = slot // block_size, row = slot % block_size"
+                        if bs > 1 else "check the destination address")
+                first = int(after.flatten(1).any(1).nonzero()[0])
+                return verdict(name, f"for {description} it wrote past the end of {pool}, into block "
+                                     f"{num_blocks + first} of a pool of {num_blocks} ({hint})")
+        for pool in want:
+            g, w = got[pool].cpu(), want[pool]
+            bad = (g != w).any(-1)  # [num_blocks, block_size, kv_heads]
+            if not bad.any():
+                continue
+            block, row, head = (int(i) for i in bad.nonzero()[0])
+            slot = block * bs + row
+            label = "key" if pool == "k_cache" else "value"
+            if slot not in slots:
+                what = f"the marker {marker:g} it held (no token maps to slot {slot})"
+                hint = ""
+            else:
+                t = slots.index(slot)
+                what = f"token {t}'s {label} for that head"
+                other = (v if pool == "k_cache" else k)[t, head]
+                if torch.equal(g[block, row, head], other):
+                    swapped = "value" if label == "key" else "key"
+                    hint = f" (it holds token {t}'s {swapped}: K goes to k_cache, V to v_cache)"
+                elif (g[block, row, head] == marker).all():
+                    hint = " (nothing was written there)" if head == 0 else \
+                        " (nothing was written there: store every KV head, at h * the stride of a head)"
+                else:
+                    hint = ""
+            return verdict(name, f"for {description}, {pool}[{block}, {row}, {head}] (slot {slot}, KV head {head}) "
+                                 f"holds [{', '.join(f'{x:.3g}' for x in g[block, row, head][:3].tolist())}, ...] "
+                                 f"instead of {what}{hint}")
+    return verdict(name, None)
+
+
 def _online_softmax_describe(got, shapes) -> str | None:
     """Why got is not an (m, l, acc) triple of tensors of the given shapes, or None if it is."""
     import torch
