@@ -580,10 +580,11 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
 
 
 def _raised_not_written(err: BaseException) -> bool:
-    """Whether an error comes from a stub: a NotImplementedError, also when Triton wraps it (the
-    interpreter raises InterpreterError from it; the compiler rejects the raise with its source)."""
+    """Whether an error comes from the stub's bare `raise NotImplementedError()`, also when Triton wraps
+    it: the interpreter raises InterpreterError from it, and the compiler rejects the raise statement
+    quoting its source. Triton's own NotImplementedErrors carry a message, so they do not count."""
     while err is not None:
-        if isinstance(err, NotImplementedError) or "NotImplementedError" in str(err):
+        if isinstance(err, NotImplementedError) and not str(err) or "raise NotImplementedError()" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False

@@ -294,3 +294,26 @@ def test_store_kv_kernel_with_a_scalar_in_the_mask(capsys):
         assert not passed and "mask has unsupported dtype" in out and "`if slot < 0: return`" in out, out
     else:
         assert passed, out
+
+
+def test_store_kv_kernel_stub_compiled_on_a_gpu(capsys):
+    """Compiled Triton rejects the stub's raise statement, quoting it; that too reads as not written yet,
+    while Triton's own NotImplementedError (a construct it lacks) reads as an error."""
+    import ast
+
+    from triton.compiler.errors import UnsupportedLanguageConstruct
+
+    source = "def store_kv_kernel(k_ptr):\n    token = tl.program_id(0)\n    raise NotImplementedError()\n"
+    raise_node = ast.parse(source).body[0].body[1]
+
+    def compiled_stub(*args):
+        raise UnsupportedLanguageConstruct(source, raise_node, "unsupported AST node type: Raise")
+
+    def setitem(*args):
+        raise NotImplementedError("__setitem__ is not supported in triton")
+
+    assert not check_store_kv_kernel(compiled_stub)
+    assert capsys.readouterr().out == ("FAIL store_kv_kernel: the kernel is not written yet (it raises "
+                                       "NotImplementedError)\n")
+    assert not check_store_kv_kernel(setitem)
+    assert "it raised NotImplementedError: __setitem__ is not supported in triton" in capsys.readouterr().out
