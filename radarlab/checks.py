@@ -372,6 +372,154 @@ def check_ref_count_allocator(allocator_class) -> bool:
     return verdict(name, None)
 
 
+def _cow_scenarios():
+    """Scripts of (op, *args) for check_append_with_cow: hand-written ones first, each aimed at one rule,
+    then random fork/append/free runs. Every ("append", name, n) step is checked."""
+    import random
+
+    fixed = [  # (block_size, num_blocks, script)
+        (4, 8, [("allocate", "A", 3), ("append", "A", 1), ("append", "A", 1)]),
+        (4, 8, [("allocate", "A", 6), ("fork", "A", "B"), ("append", "A", 1), ("append", "B", 1)]),
+        (4, 8, [("allocate", "A", 8), ("fork", "A", "B"), ("append", "A", 1)]),
+        (4, 8, [("allocate", "A", 6), ("fork", "A", "B"), ("append", "A", 7)]),
+        (4, 4, [("allocate", "A", 6), ("fork", "A", "B"), ("allocate", "C", 4), ("append", "A", 3),
+                ("append", "A", 2)]),
+        (1, 6, [("allocate", "A", 3), ("fork", "A", "B"), ("append", "A", 1), ("append", "B", 2)]),
+    ]
+    rng = random.Random(9)
+    randomised = []
+    for _ in range(6):
+        block_size = rng.choice([1, 2, 4])
+        num_blocks = rng.randint(6, 16) // block_size + 4
+        script, live, made = [("allocate", "s0", rng.randint(1, 2 * block_size))], ["s0"], 1
+        for _ in range(14):
+            roll = rng.random()
+            if roll < 0.3 and len(live) < 4:
+                child = f"s{made}"
+                script.append(("fork", rng.choice(live), child))
+                live.append(child)
+                made += 1
+            elif roll < 0.45 and len(live) > 1:
+                gone = rng.choice(live)
+                script.append(("free", gone))
+                live.remove(gone)
+            else:
+                script.append(("append", rng.choice(live), rng.choice([1, 1, 1, 2, 3, block_size + 1])))
+        randomised.append((block_size, num_blocks, script))
+    return fixed + randomised
+
+
+def check_append_with_cow(append_with_cow) -> bool:
+    """Check a learner's append_with_cow(allocator, block_ids, num_slots, num_new, block_size) ->
+    (block_ids, copies), the heart of BlockSpaceManager.append_slots without prefix caching.
+
+    Scripts of allocate, fork, append and free run on radarlab's BlockSpaceManager. Before every
+    append the learner's function gets a copy of the manager's allocator and of the sequence's block
+    list; its answer must equal what append_slots then does: the same table, the same copy pairs,
+    and the same ref counts and free list afterwards. When the pool is short it must raise
+    NoFreeBlocks and leave both the list and the allocator as they were."""
+    import copy
+
+    from radarlab.kvcache.block_table import BlockSpaceManager
+    from radarlab.kvcache.blocks import NoFreeBlocks
+    from radarlab.kvcache.sequence import Sequence
+    from radarlab.util import cdiv
+
+    name = "append_with_cow"
+    fixed_count = 6
+
+    def blocks(n):
+        return f"{n} block{'' if n == 1 else 's'}"
+
+    for n, (bs, num_blocks, script) in enumerate(_cow_scenarios()):
+        manager = BlockSpaceManager(num_blocks, bs, enable_prefix_caching=False)
+        seqs = {}
+        for op, *args in script:
+            if op == "allocate":
+                seqs[args[0]] = Sequence(args[0], [7] * args[1])
+                manager.allocate(seqs[args[0]])
+                continue
+            if op == "fork":
+                seqs[args[1]] = Sequence(args[1], list(seqs[args[0]].all_token_ids))
+                manager.fork(seqs[args[0]], seqs[args[1]])
+                continue
+            if op == "free":
+                manager.free(seqs.pop(args[0]))
+                continue
+            seq, num_new = seqs[args[0]], args[1]
+            alloc = manager.allocator
+            table, num_slots, free = manager.get_block_table(seq), manager.num_slots(seq), alloc.num_free_blocks
+            counts = [alloc.ref_count(b) for b in table]
+            shared = num_slots % bs != 0 and counts[-1] > 1
+            need = cdiv(num_slots + num_new, bs) - len(table) + int(shared)
+            where = "" if n < fixed_count else "in a random run of allocate, fork, append and free: "
+            state = (f"{where}a sequence with {num_slots} tokens in blocks {table} (block size {bs}, their ref counts "
+                     f"{counts}), {blocks(free)} free, appending {num_new} token{'s' if num_new > 1 else ''}")
+            mine, given = copy.deepcopy(alloc), list(table)
+            before = (list(alloc.ref_counts), list(alloc.free_block_ids))
+            try:
+                got, raised = append_with_cow(mine, given, num_slots, num_new, bs), None
+            except NotImplementedError:
+                return verdict(name, "the function is not written yet (it raises NotImplementedError)")
+            except NoFreeBlocks as err:
+                got, raised = None, err
+            except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+                return verdict(name, f"for {state} it raised {type(err).__name__}: {err}")
+            seq.append_token_ids([7] * num_new)
+            try:
+                want_copies = manager.append_slots(seq, num_new)
+            except NoFreeBlocks:
+                seq.truncate(seq.num_tokens - num_new)
+                if raised is None:
+                    return verdict(name, f"for {state} it returned {got!r}; it needs {blocks(need)} with {free} free, "
+                                         f"so it should raise NoFreeBlocks")
+                changed = [f"{what} {now} (before: {was})" for what, now, was in (
+                    ("ref counts", list(mine.ref_counts), before[0]),
+                    ("free list", list(mine.free_block_ids), before[1]), ("block list", given, table)) if now != was]
+                if changed:
+                    return verdict(name, f"for {state} it raised NoFreeBlocks (right: it needs {blocks(need)}) but "
+                                         f"changed things first: {'; '.join(changed)}. Count what you need before "
+                                         f"taking any block")
+                continue
+            want_table = manager.get_block_table(seq)
+            if raised is not None:
+                return verdict(name, f"for {state} it raised NoFreeBlocks ({raised}), but it needs only "
+                                     f"{blocks(need)} and {free} are free")
+            try:
+                got_table, got_copies = got
+                got_table = [int(b) for b in got_table]
+                got_copies = [tuple(int(b) for b in pair) for pair in got_copies]
+            except (TypeError, ValueError):
+                return verdict(name, f"for {state} it returned {got!r}; expected (block_ids, copies), here "
+                                     f"({want_table}, {want_copies})")
+            if got_copies != want_copies or got_table != want_table:
+                if want_copies and not got_copies:
+                    hint = (f"block {table[-1]} is partly filled and shared (ref count {counts[-1]}): take a private "
+                            f"copy before writing into it")
+                elif got_copies and not want_copies:
+                    hint = (f"the last block is full ({num_slots} is a multiple of {bs}): the new tokens go into "
+                            f"new blocks, so nothing needs copying" if num_slots % bs == 0 else
+                            f"block {table[-1]} is not shared (ref count {counts[-1]}): write into it, no copy")
+                elif len(got_table) != len(want_table):
+                    hint = (f"{num_slots} + {num_new} tokens need cdiv({num_slots + num_new}, {bs}) = "
+                            f"{blocks(len(want_table))}")
+                elif sorted(got_table) == sorted(want_table):
+                    hint = "take the private copy first, then the new blocks"
+                else:
+                    hint = "allocate with allocator.allocate() or allocate_many(n), which take the free list in order"
+                return verdict(name, f"for {state} it returned blocks {got_table} and copies {got_copies}; expected "
+                                     f"{want_table} and {want_copies} ({hint})")
+            if list(mine.ref_counts) != list(alloc.ref_counts):
+                hint = " (after taking a private copy, let go of the shared block once: allocator.free)" \
+                    if want_copies else ""
+                return verdict(name, f"for {state} the ref counts became {mine.ref_counts}; expected "
+                                     f"{alloc.ref_counts}{hint}")
+            if list(mine.free_block_ids) != list(alloc.free_block_ids):
+                return verdict(name, f"for {state} the free list became {list(mine.free_block_ids)}; expected "
+                                     f"{list(alloc.free_block_ids)}")
+    return verdict(name, None)
+
+
 # --- notebook 04: paged attention kernels ----------------------------------------------------------
 
 def check_reshape_and_cache(reshape_and_cache) -> bool:
@@ -428,6 +576,111 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
                     hint = " (slot -1 is padding: skip it, or torch indexing wraps it round to the last slot)"
                 return verdict(name, f"for {description} {pool}[{block}, {row}] (slot {slot}) holds "
                                      f"{got[block, row].flatten()[:4].tolist()} instead of {what}{hint}")
+    return verdict(name, None)
+
+
+def _raised_not_written(err: BaseException) -> bool:
+    """Whether an error comes from the stub's bare `raise NotImplementedError()`, also when Triton wraps
+    it: the interpreter raises InterpreterError from it, and the compiler rejects the raise statement
+    quoting its source. Triton's own NotImplementedErrors carry a message, so they do not count."""
+    while err is not None:
+        if isinstance(err, NotImplementedError) and not str(err) or "raise NotImplementedError()" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def check_store_kv_kernel(store_kv) -> bool:
+    """Check a learner's store-KV Triton kernel through its launcher store_kv(k, v, k_cache, v_cache,
+    slot_mapping), against radarlab.kvcache.paged_cache.reshape_and_cache, bit for bit.
+
+    A kernel writes through raw pointers, so a wrong address lands outside the pool instead of raising.
+    Each pool is therefore a view into a bigger buffer: one block of guard before it (where slot -1
+    lands if padding is not skipped) and num_blocks * block_size blocks after it (where a slot used as
+    a block id lands). Everything outside the pool must keep its marker value, and so must every slot
+    no token maps to. Few tokens per case: under TRITON_INTERPRET=1 every program runs in Python."""
+    import torch
+
+    from radarlab.device import default_device
+    from radarlab.kvcache.paged_cache import reshape_and_cache as reference
+
+    name = "store_kv_kernel"
+    device = default_device()
+    gen = torch.Generator().manual_seed(6)
+    cases = [  # (description, num_blocks, block_size, kv_heads, head_dim, slots)
+        ("3 tokens into slots [5, 6, 7] of a pool of 3 blocks of 4 (block 1, rows 1-3), 2 KV heads, head_dim 16",
+         3, 4, 2, 16, [5, 6, 7]),
+        ("4 tokens with slots [9, -1, 2, -1] in 3 blocks of 4 (-1 is padding: nothing is written for it)",
+         3, 4, 2, 16, [9, -1, 2, -1]),
+        ("block size 1 (the slot is the block id), slots [3, 0, 2], 3 KV heads (padded to 4 lanes), head_dim 16",
+         4, 1, 3, 16, [3, 0, 2]),
+        ("5 tokens at slots [37, 15, -1, 0, 63] of 4 blocks of 16, 3 KV heads, head_dim 32",
+         4, 16, 3, 32, [37, 15, -1, 0, 63]),
+        ("head_dim 24 (padded to 32 lanes), 2 KV heads, slots [6, 1, -1] of 2 blocks of 4", 2, 4, 2, 24, [6, 1, -1]),
+    ]
+    marker = 7.0
+    for description, num_blocks, bs, heads, dim, slots in cases:
+        k = torch.randn(len(slots), heads, dim, generator=gen)
+        v = torch.randn(len(slots), heads, dim, generator=gen)
+        slot_mapping = torch.tensor(slots, dtype=torch.long)
+        shape = (num_blocks, bs, heads, dim)
+        want = {"k_cache": torch.full(shape, marker), "v_cache": torch.full(shape, marker)}
+        reference(k, v, want["k_cache"], want["v_cache"], slot_mapping)
+        guard_after = num_blocks * bs
+        buffers = {pool: torch.full((1 + num_blocks + guard_after, bs, heads, dim), marker, device=device)
+                   for pool in want}
+        got = {pool: buffer[1:1 + num_blocks] for pool, buffer in buffers.items()}
+        try:
+            store_kv(k.to(device), v.to(device), got["k_cache"], got["v_cache"], slot_mapping.to(device))
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            if _raised_not_written(err):
+                return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
+            while err.__cause__ is not None:  # the learner's error, not Triton's wrapper around it
+                err = err.__cause__
+            hint = (" (the interpreter cannot store under a mask that combines a block with a single value, such "
+                    "as (d < head_dim) & (slot >= 0); skip padding with `if slot < 0: return` instead)"
+                    if "mask has unsupported dtype" in str(err) else "")
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}{hint}")
+        for pool, buffer in buffers.items():
+            buffer = buffer.cpu()
+            before, after = buffer[:1] != marker, buffer[1 + num_blocks:] != marker
+            if before.any():
+                hint = (f"slot -1 is padding: skip it, or its block -1 // {bs} and row -1 % {bs} point before the "
+                        f"pool" if -1 in slots else "check the destination address")
+                return verdict(name, f"for {description} it wrote {int(before.sum())} values into the memory just "
+                                     f"before {pool} ({hint})")
+            if after.any():
+                hint = ("is the slot used as a block id? block = slot // block_size, row = slot % block_size"
+                        if bs > 1 else "check the destination address")
+                first = int(after.flatten(1).any(1).nonzero()[0])
+                return verdict(name, f"for {description} it wrote past the end of {pool}, into block "
+                                     f"{num_blocks + first} of a pool of {num_blocks} ({hint})")
+        for pool in want:
+            g, w = got[pool].cpu(), want[pool]
+            bad = (g != w).any(-1)  # [num_blocks, block_size, kv_heads]
+            if not bad.any():
+                continue
+            block, row, head = (int(i) for i in bad.nonzero()[0])
+            slot = block * bs + row
+            label = "key" if pool == "k_cache" else "value"
+            if slot not in slots:
+                what = f"the marker {marker:g} it held (no token maps to slot {slot})"
+                hint = ""
+            else:
+                t = slots.index(slot)
+                what = f"token {t}'s {label} for that head"
+                other = (v if pool == "k_cache" else k)[t, head]
+                if torch.equal(g[block, row, head], other):
+                    swapped = "value" if label == "key" else "key"
+                    hint = f" (it holds token {t}'s {swapped}: K goes to k_cache, V to v_cache)"
+                elif (g[block, row, head] == marker).all():
+                    hint = " (nothing was written there)" if head == 0 else \
+                        " (nothing was written there: store every KV head, at h * the stride of a head)"
+                else:
+                    hint = ""
+            return verdict(name, f"for {description}, {pool}[{block}, {row}, {head}] (slot {slot}, KV head {head}) "
+                                 f"holds [{', '.join(f'{x:.3g}' for x in g[block, row, head][:3].tolist())}, ...] "
+                                 f"instead of {what}{hint}")
     return verdict(name, None)
 
 

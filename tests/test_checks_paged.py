@@ -5,7 +5,7 @@ from collections import deque
 
 import pytest
 
-from radarlab.checks import check_ref_count_allocator, check_slot_mapping
+from radarlab.checks import check_append_with_cow, check_ref_count_allocator, check_slot_mapping
 from radarlab.kvcache.blocks import NoFreeBlocks
 
 
@@ -122,3 +122,100 @@ def test_allocator_mistakes(capsys, cls, message):
     assert check_ref_count_allocator(cls) is False
     out = capsys.readouterr().out
     assert out.startswith("FAIL ref_count_allocator: ") and message in out, out
+
+
+# --- append_with_cow ---------------------------------------------------------------------------------
+def append_with_cow(allocator, block_ids, num_slots, num_new, block_size):
+    shared = num_slots % block_size != 0 and allocator.ref_count(block_ids[-1]) > 1
+    num_new_blocks = -(-(num_slots + num_new) // block_size) - len(block_ids)
+    if num_new_blocks + shared > allocator.num_free_blocks:
+        raise NoFreeBlocks(f"need {num_new_blocks + shared} blocks")
+    block_ids, copies = list(block_ids), []
+    if shared:
+        private = allocator.allocate()
+        allocator.free(block_ids[-1])
+        copies.append((block_ids[-1], private))
+        block_ids[-1] = private
+    return block_ids + allocator.allocate_many(num_new_blocks), copies
+
+
+def _cow_stub(allocator, block_ids, num_slots, num_new, block_size):
+    raise NotImplementedError()
+
+
+def _no_copy(allocator, block_ids, num_slots, num_new, block_size):
+    num_new_blocks = -(-(num_slots + num_new) // block_size) - len(block_ids)
+    return list(block_ids) + allocator.allocate_many(num_new_blocks), []
+
+
+def _copy_unshared(allocator, block_ids, num_slots, num_new, block_size):  # copies any partly filled block
+    ref_count = allocator.ref_count
+    allocator.ref_count = lambda block_id: 2
+    try:
+        return append_with_cow(allocator, block_ids, num_slots, num_new, block_size)
+    finally:
+        allocator.ref_count = ref_count
+
+
+def _copy_full_shared(allocator, block_ids, num_slots, num_new, block_size):  # forgets the "partly filled" test
+    if allocator.ref_count(block_ids[-1]) > 1 and num_slots % block_size == 0:
+        private = allocator.allocate()
+        allocator.free(block_ids[-1])
+        block_ids, copies = block_ids[:-1] + [private], [(block_ids[-1], private)]
+        num_new_blocks = -(-(num_slots + num_new) // block_size) - len(block_ids)
+        return block_ids + allocator.allocate_many(num_new_blocks), copies
+    return append_with_cow(allocator, block_ids, num_slots, num_new, block_size)
+
+
+def _take_then_check(allocator, block_ids, num_slots, num_new, block_size):  # the copy before counting
+    block_ids, copies = list(block_ids), []
+    if num_slots % block_size and allocator.ref_count(block_ids[-1]) > 1:
+        private = allocator.allocate()
+        allocator.free(block_ids[-1])
+        copies.append((block_ids[-1], private))
+        block_ids[-1] = private
+    num_new_blocks = -(-(num_slots + num_new) // block_size) - len(block_ids)
+    return block_ids + allocator.allocate_many(num_new_blocks), copies
+
+
+def _floor_blocks(allocator, block_ids, num_slots, num_new, block_size):  # rounds the block count down
+    block_ids, copies = list(block_ids), []
+    num_new_blocks = (num_slots + num_new) // block_size - len(block_ids)
+    return block_ids + allocator.allocate_many(max(0, num_new_blocks)), copies
+
+
+def _one_block_too_many(allocator, block_ids, num_slots, num_new, block_size):
+    num_new_blocks = (num_slots + num_new) // block_size + 1 - len(block_ids)
+    return list(block_ids) + allocator.allocate_many(num_new_blocks), []
+
+
+def test_append_with_cow_solution_passes(capsys):
+    assert check_append_with_cow(append_with_cow) is True
+    assert capsys.readouterr().out == "PASS append_with_cow\n"
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_cow_stub, "not written yet"),
+    (_no_copy, "for a sequence with 6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 blocks free, "
+               "appending 1 token it returned blocks [0, 1] and copies []; expected [0, 2] and [(1, 2)] (block 1 is "
+               "partly filled and shared (ref count 2): take a private copy"),
+    (_copy_unshared, "for a sequence with 3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, "
+                     "appending 1 token it returned blocks [1] and copies [(0, 1)]; expected [0] and [] (block 0 is "
+                     "not shared (ref count 1): write into it, no copy)"),
+    (_copy_full_shared, "8 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 blocks free, appending "
+                        "1 token it returned blocks [0, 2, 3] and copies [(1, 2)]; expected [0, 1, 2] and [] (the last "
+                        "block is full (8 is a multiple of 4)"),
+    (_take_then_check, "6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 1 block free, appending 3 "
+                       "tokens it raised NoFreeBlocks (right: it needs 2 blocks) but changed things first: ref counts "
+                       "[2, 1, 1, 1] (before: [2, 2, 1, 0]); free list [] (before: [3]). Count what you need"),
+    (_floor_blocks, "4 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, appending 1 token it "
+                    "returned blocks [0] and copies []; expected [0, 1] and [] (4 + 1 tokens need cdiv(5, 4) = "
+                    "2 blocks)"),
+    (_one_block_too_many, "3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, appending 1 "
+                          "token it returned blocks [0, 1] and copies []; expected [0] and [] (3 + 1 tokens need "
+                          "cdiv(4, 4) = 1 block)"),
+])
+def test_append_with_cow_mistakes(capsys, fn, message):
+    assert check_append_with_cow(fn) is False
+    out = capsys.readouterr().out
+    assert out.startswith("FAIL append_with_cow: ") and message in out, out
