@@ -29,3 +29,13 @@ def test_groups_add_up_to_wall_time_and_find_the_matmuls():
 def test_bad_repeat_raises(repeat):
     with pytest.raises(ValueError, match="repeat"):
         op_breakdown(lambda: None, repeat=repeat)
+
+
+def test_launching_ops_counts_ops_that_compute_and_leaves_out_views():
+    import torch
+
+    from radarlab.bench.profile import launching_ops
+
+    x = torch.ones(4, 4)
+    assert launching_ops(lambda: x.view(16).reshape(2, 8).t()) == 0  # views only
+    assert launching_ops(lambda: (x @ x).relu().sum()) == 3  # mm, relu, sum; the mm's own calls not counted

@@ -31,9 +31,38 @@ UNPROFILED = "outside ops (Python: scheduler, metadata, module calls)"
 def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
     """Run fn `repeat` times under the profiler. Returns {"wall_ms", "groups": {name: ms}} with
     times per call; the groups, OTHER_OPS and UNPROFILED add up to wall_ms."""
+    require_int("repeat", repeat)
+    prof, wall_ms = _profiled(fn, repeat)
+    self_ms: dict[str, float] = {}
+    for event in prof.key_averages():
+        self_ms[event.key] = self_ms.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / repeat
+    groups = {name: sum(self_ms.pop(op, 0.0) for op in ops) for name, ops in GROUPS.items()}
+    groups[OTHER_OPS] = sum(self_ms.values())
+    groups[UNPROFILED] = max(wall_ms - sum(groups.values()), 0.0)
+    return {"wall_ms": wall_ms, "groups": groups}
+
+
+# Ops that only make a new view of the same memory: on a GPU they launch nothing.
+VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+                      "aten::select", "aten::expand", "aten::as_strided", "aten::unsqueeze", "aten::squeeze",
+                      "aten::t", "aten::transpose", "aten::permute", "aten::detach", "aten::alias",
+                      "aten::unflatten", "aten::flatten", "aten::split", "aten::chunk", "aten::narrow",
+                      "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
+                      "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::is_nonzero"})
+
+
+def launching_ops(fn: Callable[[], object]) -> int:
+    """How many top-level torch ops one call of fn runs, views left out: on a GPU each launches at least
+    one kernel, which is what a CUDA graph would replay in one call."""
+    prof, _ = _profiled(fn, 1)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::") and e.name not in VIEW_OPS
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
+
+
+def _profiled(fn: Callable[[], object], repeat: int):
+    """fn run `repeat` times under torch's CPU profiler: (the profiler, wall ms per call)."""
     from torch.profiler import ProfilerActivity, profile
 
-    require_int("repeat", repeat)
     prof = profile(activities=[ProfilerActivity.CPU])
     with _stderr_silenced():  # the profiler's C++ side prints start/stop lines to stderr
         prof.start()
@@ -45,13 +74,7 @@ def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
     finally:
         with _stderr_silenced():
             prof.stop()
-    self_ms: dict[str, float] = {}
-    for event in prof.key_averages():
-        self_ms[event.key] = self_ms.get(event.key, 0.0) + event.self_cpu_time_total / 1e3 / repeat
-    groups = {name: sum(self_ms.pop(op, 0.0) for op in ops) for name, ops in GROUPS.items()}
-    groups[OTHER_OPS] = sum(self_ms.values())
-    groups[UNPROFILED] = max(wall_ms - sum(groups.values()), 0.0)
-    return {"wall_ms": wall_ms, "groups": groups}
+    return prof, wall_ms
 
 
 @contextlib.contextmanager
