@@ -313,7 +313,8 @@ def test_default_pool_holds_every_request_at_full_length():
     (["--rates", "0"], "--rates"), (["--rates", "-1,2"], "--rates"), (["--rates", "fast"], "--rates"),
     (["--num-requests", "0"], "--num-requests"), (["--output-len", "0"], "--output-len"),
     (["--max-num-seqs", "-1"], "--max-num-seqs"), (["--seed", "-1"], "--seed"), (["--threads", "0"], "--threads"),
-    (["--budgets", "64,x"], "--budgets"), (["--budgets", "64,-1"], "--budgets"), (["--budget-rate", "0"], "--budget-rate"),
+    (["--budgets", "64,x"], "--budgets"), (["--budgets", "64,-1"], "--budgets"),
+    (["--budget-rate", "0"], "--budget-rate"),
 ])
 def test_cli_names_the_bad_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -45,13 +45,14 @@ import numpy as np
 from radarlab.bench.workload import random_token_prompts
 from radarlab.util import cdiv, require_int, require_number
 
-# The CPU sweep, sized on a shared 2-core machine (one torch thread): a decode step of 16 requests takes
-# about 0.3 s, a prefill about 6 ms per token, so the engine serves 2-3 requests/s of this workload.
-DEFAULT_RATES = (1.0, 1.5, 2.0, 2.5, 3.0, 4.0)  # requests per second
+# The CPU sweep, sized on a shared 2-core machine with one torch thread, where the engine completes at
+# most about 5 requests/s of this workload (results/latency.json): the top two rates overload it, and
+# the budget sweep's rate is just below that. A rate costs 200 / rate seconds or more: about 13 minutes in all.
+DEFAULT_RATES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)  # requests per second
 DEFAULT_NUM_REQUESTS = 200  # per rate: p99 of TTFT is then not simply the unluckiest request
 DEFAULT_MAX_NUM_SEQS = 16  # below the concurrency the top rates would need: there requests queue
 DEFAULT_BUDGETS = (64, 128, 256, 512)  # max_num_batched_tokens values of the budget sweep
-DEFAULT_BUDGET_RATE = 2.5  # near saturation on the CPU
+DEFAULT_BUDGET_RATE = 4.0  # near saturation on the CPU
 FULL_SCALE_RATES = (4.0, 8.0, 16.0, 32.0, 64.0, 128.0)  # on a GPU the engine serves far more
 FULL_SCALE_NUM_REQUESTS = 512
 FULL_SCALE_BUDGET_RATE = 32.0  # not measured: pick it from a rate sweep with --budget-rate
