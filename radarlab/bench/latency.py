@@ -219,8 +219,8 @@ def time_weighted_count(intervals: Sequence[tuple[float, float]], window: tuple[
 def max_count(intervals: Sequence[tuple[float, float]]) -> int:
     """The most [enter, leave) intervals covering one instant (0 if none). Half-open: one that leaves
     at t and one that enters at t never overlap."""
-    events = sorted([(leave, -1) for _, leave in _check_intervals(intervals)] +
-                    [(enter, +1) for enter, _ in intervals])  # at equal times, -1 sorts first
+    checked = _check_intervals(intervals)
+    events = sorted([(leave, -1) for _, leave in checked] + [(enter, +1) for enter, _ in checked])  # -1 first
     count = best = 0
     for _, delta in events:
         count += delta
