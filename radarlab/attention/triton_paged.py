@@ -99,6 +99,34 @@ def triton_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, tokens_per_pr
 # 2. Decode: one new query per sequence
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last, head_offset, dim_offsets,
+                      dim_ok, stride_cb, stride_cs, BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
+    """Fold positions first .. last - 1 of one sequence into the running (m, l, acc) of one GQA group's
+    queries, TILE_N positions at a time, reading each position's K and V where its block lies: the loop
+    the decode kernel runs over a whole context and the split-KV kernel over one partition."""
+    for start in range(first, last, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < last
+        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
+        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset  # int64: pools can be large
+        kv_offsets = rows[:, None] + dim_offsets
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+
+        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, TILE_N]
+        s = tl.where(pos_ok[None, :], s, float("-inf"))
+
+        m_new = tl.maximum(m, tl.max(s, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     scale,
@@ -147,25 +175,8 @@ def _paged_decode_kernel(
     table = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_ch
     dim_offsets = d[None, :] * stride_cd  # loop-invariant address parts are computed once
-    for start in range(0, seq_len, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        pos_ok = pos < seq_len
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset  # int64: pools can be large
-        kv_offsets = rows[:, None] + dim_offsets
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, TILE_N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+    m, l, acc = _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, 0, seq_len, head_offset,
+                                  dim_offsets, dim_ok, stride_cb, stride_cs, BLOCK_SIZE, TILE_N)
 
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
@@ -251,25 +262,8 @@ def _paged_decode_partition_kernel(
     table = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_ch
     dim_offsets = d[None, :] * stride_cd
-    for start in range(first, last, TILE_N):
-        pos = start + tl.arange(0, TILE_N)
-        pos_ok = pos < last
-        block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
-        rows = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_offset
-        kv_offsets = rows[:, None] + dim_offsets
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-
-        k = tl.load(k_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)  # [TILE_N, D]
-        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [GROUP, TILE_N]
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        v = tl.load(v_cache_ptr + kv_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-        l = l * alpha + tl.sum(p, axis=1)
-        m = m_new
+    m, l, acc = _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last, head_offset,
+                                  dim_offsets, dim_ok, stride_cb, stride_cs, BLOCK_SIZE, TILE_N)
 
     stats = seq * stride_pmt + heads * stride_pmh + part * stride_pmp
     tl.store(part_max_ptr + stats, m, mask=head_ok)
