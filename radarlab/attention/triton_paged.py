@@ -127,6 +127,30 @@ def _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last
 
 
 @triton.jit
+def _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale,
+                  stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, head_dim,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                  TILE_N: tl.constexpr):
+    """(m, l, acc) of one sequence's GQA group (the query heads that share kv_head) over positions
+    first .. last - 1: its query loaded once and pre-scaled, then _attend_positions from an empty state."""
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    dim_ok = d < head_dim
+    q_mask = (g < GROUP)[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=q_mask, other=0.0).to(tl.float32)
+    q = q * scale
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    dim_offsets = d[None, :] * stride_cd  # loop-invariant address parts are computed once
+    return _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last, kv_head * stride_ch,
+                             dim_offsets, dim_ok, stride_cb, stride_cs, BLOCK_SIZE, TILE_N)
+
+
+@triton.jit
 def _paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr,
     scale,
@@ -161,22 +185,10 @@ def _paged_decode_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    dim_ok = d < head_dim
-    q_mask = head_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_mask, other=0.0).to(tl.float32)
-    q = q * scale
-
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-
-    table = block_tables_ptr + seq * stride_bt
-    head_offset = kv_head * stride_ch
-    dim_offsets = d[None, :] * stride_cd  # loop-invariant address parts are computed once
-    m, l, acc = _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, 0, seq_len, head_offset,
-                                  dim_offsets, dim_ok, stride_cb, stride_cs, BLOCK_SIZE, TILE_N)
+    q_mask = (g < GROUP)[:, None] & (d < head_dim)[None, :]
+    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0, seq_len, scale,
+                              stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
+                              stride_bt, head_dim, GROUP, GROUP_PAD, DIM_PAD, BLOCK_SIZE, TILE_N)
 
     out = acc / l[:, None]
     tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
@@ -248,26 +260,14 @@ def _paged_decode_partition_kernel(
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
-    head_ok = g < GROUP
-    dim_ok = d < head_dim
-    q_mask = head_ok[:, None] & dim_ok[None, :]
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd,
-                mask=q_mask, other=0.0).to(tl.float32)
-    q = q * scale
-
-    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-    l = tl.zeros([GROUP_PAD], tl.float32)
-    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
-
-    table = block_tables_ptr + seq * stride_bt
-    head_offset = kv_head * stride_ch
-    dim_offsets = d[None, :] * stride_cd
-    m, l, acc = _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last, head_offset,
-                                  dim_offsets, dim_ok, stride_cb, stride_cs, BLOCK_SIZE, TILE_N)
+    q_mask = (g < GROUP)[:, None] & (d < head_dim)[None, :]
+    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale,
+                              stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
+                              stride_bt, head_dim, GROUP, GROUP_PAD, DIM_PAD, BLOCK_SIZE, TILE_N)
 
     stats = seq * stride_pmt + heads * stride_pmh + part * stride_pmp
-    tl.store(part_max_ptr + stats, m, mask=head_ok)
-    tl.store(part_sum_ptr + stats, l, mask=head_ok)
+    tl.store(part_max_ptr + stats, m, mask=g < GROUP)
+    tl.store(part_sum_ptr + stats, l, mask=g < GROUP)
     out_rows = seq * stride_pot + heads * stride_poh + part * stride_pop
     tl.store(part_out_ptr + out_rows[:, None] + d[None, :] * stride_pod, acc / l[:, None], mask=q_mask)
 
