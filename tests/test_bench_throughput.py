@@ -109,8 +109,13 @@ def test_end_to_end_three_systems(tmp_path, capsys):
     # the systems did the same work: fp32 greedy continuations agree
     for row in doc["ratios"]:
         assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
+    # each measurement placed on this machine's roofline, measured in the same run
+    assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0 and doc["machine_balance"]["fp32_gemm_gflop_s"] > 0
+    assert {(r["system"], r["batch_size"]) for r in doc["limits"]} == got
+    assert all(0 < r["bandwidth_fraction"] and 0 < r["flops_fraction"] for r in doc["limits"])
     table = capsys.readouterr().out
     assert "radarlab / vllm" in table and "output tokens/s, float32" in table
+    assert "of this machine's read bandwidth" in table
     assert format_table(doc).splitlines()[0] == "output tokens/s, float32"
 
 
@@ -129,3 +134,19 @@ def test_plot_throughput_draws_one_bar_per_system_and_batch():
     assert [round(p.get_height()) for p in bf16.patches if p.get_height()] == [50]
     with pytest.raises(ValueError, match="results"):
         plot_throughput({"results": []})
+
+
+def test_limits_place_a_measurement_on_the_roofline():
+    """A step of batch 2 at 10 tok/s takes 0.2 s; its bytes and FLOPs are decode_step's at the mean context."""
+    from radarlab.bench.throughput import ThroughputConfig, limits
+    from radarlab.hardware.roofline import TransformerDims, decode_step
+
+    dims = TransformerDims(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10)
+    config = ThroughputConfig(batch_sizes=(2,), dtypes=("float32",), systems=("radarlab",), max_tokens=4,
+                              min_prompt_len=8, max_prompt_len=12)
+    m = Measurement("radarlab", 2, "float32", output_tokens=20, seconds=2.0)  # 10 tok/s: a step of 2 takes 0.2 s
+    (row,) = limits(config, [m], dims, peak_flops=1e6, bandwidth=1e5)
+    step = decode_step(dims, 2, 10 + 2, "fp32", "fp32")  # context: mean prompt 10 + half of 4 new tokens
+    assert row["context"] == 12 and row["bytes_per_step"] == step.bytes
+    assert row["bandwidth_fraction"] == pytest.approx(step.bytes / 0.2 / 1e5)
+    assert row["flops_fraction"] == pytest.approx(step.flops / 0.2 / 1e6)

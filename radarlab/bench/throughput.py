@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from radarlab.bench.workload import random_token_prompts
+from radarlab.hardware.roofline import TransformerDims, decode_step
 from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "transformers", "vllm")
@@ -164,6 +165,7 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
     for dtype_name in config.dtypes:
         dtype = getattr(torch, dtype_name)
         hf_model, tokenizer = load_hf(config.model, dtype=dtype)
+        info["dims"] = asdict(TransformerDims.from_config(hf_model.config))
         vocab = hf_model.config.vocab_size
         prompt_sets = [random_token_prompts(b, vocab, (config.min_prompt_len, config.max_prompt_len), config.seed)
                        for b in config.batch_sizes]  # batch size B gets the first B prompts
@@ -236,7 +238,32 @@ def goal(measurements: list[Measurement]) -> dict:
     return {"goal": GOAL, "by_dtype": out}
 
 
-def report(config: ThroughputConfig, measurements: list[Measurement], info: dict) -> dict:
+def limits(config: ThroughputConfig, measurements: list[Measurement], dims: TransformerDims, peak_flops: float,
+           bandwidth: float) -> list[dict]:
+    """How close each measurement comes to this machine's roofline (notebook 01).
+
+    A decode step of batch B reads the weights once and every sequence's KV (hardware.roofline); its
+    time is taken as B / tokens_per_s, at the mean context of the decode phase (the mean prompt length,
+    (min + max) / 2 for these uniform lengths, plus half the new tokens). The wall time includes the
+    prefill, so both fractions are lower bounds. bandwidth_fraction compares bytes per step over step
+    time with the measured read bandwidth (the limit at batch 1); flops_fraction compares FLOPs per step
+    over step time with the measured fp32 GEMM FLOP/s (the limit at large batch)."""
+    context = (config.min_prompt_len + config.max_prompt_len) // 2 + config.max_tokens // 2
+    rows = []
+    for m in measurements:
+        precision = "fp32" if m.dtype == "float32" else "bf16"
+        step = decode_step(dims, m.batch_size, context, precision, precision)
+        step_s = m.batch_size / m.tokens_per_s
+        rows.append({"system": m.system, "dtype": m.dtype, "batch_size": m.batch_size, "context": context,
+                     "bytes_per_step": step.bytes, "flops_per_step": step.flops,
+                     "achieved_gb_s": step.bytes / step_s / 1e9, "bandwidth_fraction": step.bytes / step_s / bandwidth,
+                     "achieved_gflop_s": step.flops / step_s / 1e9, "flops_fraction": step.flops / step_s / peak_flops})
+    return rows
+
+
+def report(config: ThroughputConfig, measurements: list[Measurement], info: dict, balance=None) -> dict:
+    """The JSON document; with balance (hardware.measure.MachineBalance, measured in the same run) and
+    the model's dims in info, also each measurement's place on this machine's roofline."""
     from radarlab.hardware.machine import environment
 
     import torch
@@ -251,7 +278,7 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     params = asdict(config)
     params["workload"] = ("random token ids, lengths uniform in [min_prompt_len, max_prompt_len], greedy, "
                           "EOS ignored, all requests submitted at once; batch size B uses the first B prompts")
-    return {
+    doc = {
         "benchmark": "throughput",
         "parameters": params,
         "environment": env,
@@ -259,6 +286,12 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
         "ratios": ratios(measurements),
         "goal": goal(measurements),
     }
+    if balance is not None and "dims" in info:
+        doc["machine_balance"] = {"read_bandwidth_gb_s": balance.bandwidth / 1e9,
+                                  "fp32_gemm_gflop_s": balance.peak_flops / 1e9}
+        doc["limits"] = limits(config, measurements, TransformerDims(**info["dims"]), balance.peak_flops,
+                               balance.bandwidth)
+    return doc
 
 
 def format_table(doc: dict) -> str:
@@ -281,6 +314,11 @@ def format_table(doc: dict) -> str:
             vals = {r["batch_size"]: r[key] for r in doc["ratios"] if r["dtype"] == dtype and key in r}
             lines.append(f"{'radarlab / ' + other:>22}" + "".join(f"{vals[b]:>8.2f}x" if b in vals else f"{'-':>9}"
                                                                   for b in sizes))
+        for row in doc.get("limits", []):
+            if row["system"] == "radarlab" and row["dtype"] == dtype and row["batch_size"] in (sizes[0], sizes[-1]):
+                lines.append(f"radarlab batch {row['batch_size']}: {row['achieved_gb_s']:.1f} GB/s read "
+                             f"({row['bandwidth_fraction']:.0%} of this machine's read bandwidth), "
+                             f"{row['achieved_gflop_s']:.1f} GFLOP/s ({row['flops_fraction']:.0%} of its fp32 GEMM)")
         lines.append("")
     return "\n".join(lines).rstrip()
 
@@ -342,7 +380,11 @@ def main(args: argparse.Namespace) -> int:
             raise ValueError("--systems includes vllm but there is no vLLM environment: run `make vllm`, set "
                              "RADARLAB_VLLM_PYTHON, or pass --systems radarlab,transformers")
     measurements, info = run(config)
-    doc = report(config, measurements, info)
+    import torch
+
+    from radarlab.hardware.measure import measure_machine
+
+    doc = report(config, measurements, info, measure_machine(threads=torch.get_num_threads()))
     print(format_table(doc))
     print(format_goal(doc))
     if args.json:
