@@ -781,25 +781,34 @@ def check_online_softmax_update(online_softmax_update) -> bool:
 
 # --- notebook 05: continuous batching ----------------------------------------------------------------
 
+def _put_running(scheduler, request_id, num_prompt_tokens: int, num_computed: int, decoding: bool):
+    """A request placed straight into the scheduler's running list, as if earlier steps had computed
+    its first num_computed tokens (and reserved their slots); a decoding one also holds the token it
+    sampled last, not computed yet. How the checkers' references set up a state to schedule from."""
+    from radarlab.engine import Request, RequestStatus, SamplingParams
+
+    request = Request(request_id, [1] * num_prompt_tokens, SamplingParams())
+    scheduler.manager.allocate(request, num_computed)
+    request.num_computed_tokens = num_computed
+    if decoding:
+        request.append_token_ids([1])
+    request.status = RequestStatus.RUNNING
+    scheduler.running.append(request)
+    return request
+
+
 def _schedule_token_budget_reference(running, waiting, budget, max_num_seqs):
     """The answer of radarlab's own Scheduler (vLLM v1's rule) on a pool roomy enough that blocks
     never bind: running requests with `remaining` prompt tokens still to prefill (0: decoding), then
     waiting prompts of the given lengths, head first."""
-    from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
+    from radarlab.engine import Request, SamplingParams, Scheduler
     from radarlab.kvcache.block_table import BlockSpaceManager
 
     manager = BlockSpaceManager(num_blocks=1024, block_size=16, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     done_prefill = 8  # tokens each running request has computed already
-    requests = []
-    for i, remaining in enumerate(running):
-        request = Request(("running", i), [1] * (done_prefill + remaining), SamplingParams())
-        request.num_computed_tokens = manager.allocate(request, done_prefill) + done_prefill
-        if remaining == 0:
-            request.append_token_ids([1])  # decoding: its newest token is not computed yet
-        request.status = RequestStatus.RUNNING
-        scheduler.running.append(request)
-        requests.append(request)
+    requests = [_put_running(scheduler, ("running", i), done_prefill + remaining, done_prefill, remaining == 0)
+                for i, remaining in enumerate(running)]
     for i, prompt_len in enumerate(waiting):
         request = Request(("waiting", i), [1] * prompt_len, SamplingParams())
         scheduler.add_request(request)
@@ -863,7 +872,7 @@ def _preemption_reference(running, free_blocks, block_size=4):
     """Which running requests radarlab's Scheduler preempts this step, in order, set up in that state:
     running[i] = (blocks_held, needs_new_block) in arrival order, every request decoding, free_blocks
     free in the pool."""
-    from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
+    from radarlab.engine import Scheduler
     from radarlab.kvcache.block_table import BlockSpaceManager
 
     manager = BlockSpaceManager(sum(held for held, _ in running) + free_blocks, block_size, enable_prefix_caching=False)
@@ -872,12 +881,7 @@ def _preemption_reference(running, free_blocks, block_size=4):
     for i, (held, needs_new) in enumerate(running):
         # a full last block means the next token needs a new one; one slot left means it does not
         computed = held * block_size - (0 if needs_new else 1)
-        request = Request(i, [1] * computed, SamplingParams())
-        manager.allocate(request)
-        request.num_computed_tokens = computed
-        request.append_token_ids([1])  # the token this step feeds in
-        request.status = RequestStatus.RUNNING
-        scheduler.running.append(request)
+        _put_running(scheduler, i, computed, computed, decoding=True)
     return [r.request_id for r in scheduler.schedule().preempted]
 
 

@@ -180,7 +180,7 @@ def test_abort_mid_prefill_uncaches_blocks_that_were_never_computed():
     manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched.add_request(req("a", 20))
     run_step(sched)  # 8 computed: blocks 0, 1 hold K/V and are cached
-    out = sched.schedule()  # the next chunk is reserved (block 2 registered) but never computed
+    sched.schedule()  # the next chunk is reserved (blocks 2 and 3 registered) but never computed
     assert manager.allocator.num_cached_blocks == 4
     sched.abort("a")
     assert manager.num_free_blocks == 32 and "a" not in manager

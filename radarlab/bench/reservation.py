@@ -122,8 +122,11 @@ def _manager(reservation: Reservation, workload: dict, max_model_len: int) -> Bl
 
     def reserve(seq: Sequence) -> int:
         fills = workload[seq.seq_id].max_cached_tokens
-        return {"max": max_model_len, "oracle": fills,
-                "pow2": min(1 << (fills - 1).bit_length(), max_model_len)}[reservation.upfront]
+        if reservation.upfront == "max":
+            return max_model_len
+        if reservation.upfront == "pow2":
+            return min(1 << (fills - 1).bit_length(), max_model_len)
+        return fills  # oracle
     return UpfrontBlockSpaceManager(reservation.num_blocks, reserve)
 
 
@@ -254,7 +257,7 @@ def _record(result: SimResult, manager: BlockSpaceManager, scheduler: Scheduler,
     live = reserved = future = never = 0
     for request in scheduler.running:
         tokens = request.num_computed_tokens
-        res = len(manager.get_block_table(request)) * manager.block_size
+        res = len(manager.block_tables[request.request_id].block_ids) * manager.block_size  # no copy per step
         will_fill = min(res, workload[request.request_id].max_cached_tokens)
         live, reserved = live + tokens, reserved + res
         future, never = future + will_fill - tokens, never + res - will_fill

@@ -105,7 +105,8 @@ class BlockSpaceManager:
     # --- admission ------------------------------------------------------------------------------
     def get_computed_blocks(self, seq: Sequence) -> tuple[list[int], int]:
         """The longest run of the sequence's full blocks found in the prefix cache, and the tokens
-        they hold. Changes nothing and counts no query.
+        they hold. Takes no block and counts no query (a sequence seen for the first time gets this
+        manager's block size, which hashes its full blocks).
 
         The block holding the last token never hits, so at least that token is computed and the
         step still yields logits (vLLM does the same; with a block-aligned, fully cached prompt the

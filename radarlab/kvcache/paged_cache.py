@@ -144,7 +144,9 @@ class PagedKVCache:
             raise ValueError(f"PagedKVCache needs AttentionMetadata.{' and '.join(missing)}")
         if meta.checked_for == self.geometry:
             return meta
-        meta = meta.to(self.k.device)
+        tensors = (meta.query_start_loc, meta.seq_lens, meta.slot_mapping, meta.block_tables)
+        if any(t.device != self.k.device for t in tensors):
+            meta = meta.to(self.k.device)  # the model runner builds it on the device already
         validate_block_tables(meta.block_tables, meta.seq_lens, self.num_blocks, self.block_size)
         validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
         return replace(meta, checked_for=self.geometry)
