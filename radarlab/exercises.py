@@ -87,7 +87,7 @@ def exercises_without_checker(nb) -> list[int]:
 
 def learner_copy(nb):
     """A copy of nb with solutions replaced by nbgrader's stub, all outputs cleared and no execution
-    metadata (the timestamps nbclient records in each cell)."""
+    metadata (the timestamps nbclient records in each cell, the widget state of the maintainer's run)."""
     try:
         from nbconvert.preprocessors import ClearOutputPreprocessor
         from nbgrader.preprocessors import ClearSolutions
@@ -103,6 +103,7 @@ def learner_copy(nb):
     out, _ = ClearOutputPreprocessor().preprocess(out, resources)
     for cell in out.cells:  # when and how long the maintainer's run took is nobody's business
         cell.get("metadata", {}).pop("execution", None)
+    out.metadata.pop("widgets", None)  # the saved state of widgets whose outputs were just cleared
     return out
 
 

@@ -47,6 +47,7 @@ def _demo_notebook():
     check.metadata["execution"] = {"iopub.execute_input": "2026-11-30T18:00:00.000000Z",
                                    "shell.execute_reply": "2026-11-30T18:00:01.000000Z"}
     nb.cells = [intro, exercise, check]
+    nb.metadata["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}, "version_major": 2}}
     return nb
 
 
@@ -88,6 +89,7 @@ def test_outputs_cleared(learner_copies):
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None
         assert "execution" not in cell.metadata  # no timestamps of the maintainer's run
+    assert "widgets" not in nb.metadata  # nor the state of its widgets
 
 
 def test_only_numbered_notebooks_are_copied(learner_copies):
