@@ -277,9 +277,10 @@ def test_chunked_prefill_on_paged_cache_equals_contiguous(model, backend):
     """9 tokens, then 4 more that read the first 9 from the pool, against the same two chunks on
     the contiguous cache (itself checked against a single prefill in test_llama).
 
-    The torch backend does the very same math, so it matches to the last bit. The Triton kernels
-    differ from it by fp32 rounding (~1e-6 per layer, measured); thirty layers grow that to ~1e-4
-    in the logits, hence the looser bound there. Greedy tokens stay identical (tests above).
+    Both backends differ from the contiguous cache's einsum by fp32 rounding: the torch backend runs
+    torch's fused SDPA (sdpa_paged.py), the Triton kernels their own tiles (~1e-6 per layer,
+    measured); thirty layers grow that to ~1e-4 in the logits (7.6e-5 measured for SDPA), hence the
+    bound. Greedy tokens stay identical (tests above).
     """
     device = default_device() if backend == "triton" else "cpu"
     on_device = model if device == "cpu" else copy.deepcopy(model).to(device)
@@ -297,4 +298,4 @@ def test_chunked_prefill_on_paged_cache_equals_contiguous(model, backend):
         m = AttentionMetadata.from_lens([hi - lo], [hi], slot_mapping=slots[lo:hi], block_tables=table)
         logits.append(on_device(ids[lo:hi], m.positions.to(device), paged, m))
     error = (torch.cat(logits) - torch.cat(expected)).abs().max().item()
-    assert error < (1e-6 if backend == "torch" else 5e-4), error
+    assert error < 5e-4, error

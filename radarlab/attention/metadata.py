@@ -24,6 +24,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] paged cache: where each new token's K/V goes
     block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
     checked_for: tuple | None = None  # the pool geometry these were validated against, if any
+    plan: object | None = None  # the attention path's own per-step data, built once (vLLM: its metadata builder)
 
     def __post_init__(self) -> None:
         if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:

@@ -23,7 +23,7 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
-from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.util import require_int, require_power_of_two
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
@@ -45,7 +45,8 @@ class PagedKVCache:
     """K and V pools shaped [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
 
     self.k[layer] is one layer's pool. backend picks how writes and attention run: "torch" (gather
-    by block table, then the reference math) or "triton" (kernels that read the blocks in place).
+    the context's rows, then torch's fused SDPA; sdpa_paged.py) or "triton" (kernels that read the
+    blocks in place).
     """
 
     BACKENDS = ("torch", "triton")
@@ -138,18 +139,24 @@ class PagedKVCache:
 
     def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
         """Validate a step's metadata against this pool once, before any layer writes, and return it
-        on the pool's device, stamped as checked for this pool's geometry."""
+        on the pool's device, stamped as checked for this pool's geometry and carrying the torch
+        path's per-step plan (radarlab.attention.sdpa_paged), so the layers only attend."""
         if meta.slot_mapping is None or meta.block_tables is None:
             missing = [n for n in ("slot_mapping", "block_tables") if getattr(meta, n) is None]
             raise ValueError(f"PagedKVCache needs AttentionMetadata.{' and '.join(missing)}")
         if meta.checked_for == self.geometry:
-            return meta
+            return meta if meta.plan is not None or self.backend != "torch" else self._with_plan(meta)
         tensors = (meta.query_start_loc, meta.seq_lens, meta.slot_mapping, meta.block_tables)
         if any(t.device != self.k.device for t in tensors):
             meta = meta.to(self.k.device)  # the model runner builds it on the device already
         validate_block_tables(meta.block_tables, meta.seq_lens, self.num_blocks, self.block_size)
         validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
-        return replace(meta, checked_for=self.geometry)
+        meta = replace(meta, checked_for=self.geometry)
+        return self._with_plan(meta) if self.backend == "torch" else meta
+
+    def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
+        return replace(meta, plan=plan_paged_sdpa(meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                                  self.block_size))
 
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables.
@@ -164,8 +171,8 @@ class PagedKVCache:
 
             return triton_paged_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
                                           meta.query_start_loc, scale, check=False)
-        return paged_attention_torch(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
-                                     meta.query_start_loc, scale, check=False)
+        # The torch path: SDPA over gathered rows (sdpa_paged.py), equal to paged_attention_torch.
+        return paged_attention_sdpa(q, self.k[layer], self.v[layer], meta.plan, scale)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

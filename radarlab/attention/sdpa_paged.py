@@ -1,0 +1,129 @@
+"""Paged attention on the CPU, fast: torch's fused SDPA over K/V gathered token by token, in the pool's dtype.
+
+torch_paged.py is the readable reference; this is the path the engine runs on the torch backend.
+Three differences, each measured on the decode step (notebook 05):
+
+- **A plan per step, not per layer.** Everything that depends only on the block tables and the
+  lengths (which pool row every context token lives in, the masks, which rows are decodes) is
+  built once per step by plan_paged_sdpa, with one host sync, and every layer reuses it. The
+  reference redoes that work, and its .tolist() calls, in each of the 30 layers. vLLM's attention
+  backends split their work the same way: a metadata builder per step, a kernel per layer.
+- **No fp32 copy of K/V.** The K/V rows are gathered in the pool's dtype and handed to
+  F.scaled_dot_product_attention, whose CPU kernel accumulates in fp32 itself. The reference
+  upcasts the whole gathered batch to fp32 first. In a decode, the query heads that share a KV
+  head (GQA) are that head's query rows, so no K/V is repeated; prefill chunks use enable_gqa.
+- **Token rows, not padded blocks.** Decodes are batched: sequence b gathers max(seq_lens) rows, the
+  ones past its own length pointing at its last real token (a finite value; the mask gives it zero
+  weight, so no masked_fill over V is needed), so no row beyond the batch's longest context and no
+  unused block is read. Prefill chunks gather exactly their seq_len rows.
+
+The gather is still a copy: SDPA needs each sequence's K/V as one strided tensor. A kernel that
+reads the blocks in place (vLLM's C++ CPU kernel, notebook 04's Triton kernel) saves that copy too.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """One sequence with more than one query (or none: skipped): rows lo:hi of q, context rows slots."""
+    lo: int
+    hi: int
+    slots: torch.Tensor  # [seq_len] pool row of each context token
+    mask: torch.Tensor | None  # [hi - lo, seq_len] causal mask; None when the chunk is the whole sequence
+
+
+@dataclass(frozen=True)
+class PagedSDPAPlan:
+    """What every layer of one step needs to attend over the paged pool (see plan_paged_sdpa)."""
+    num_tokens: int
+    decode_rows: torch.Tensor | None  # [Bd] q rows of the decodes; None when every row is one
+    decode_slots: torch.Tensor | None  # [Bd * T] pool row per (decode, context position)
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, T] True where position < seq_len; None: all True
+    context: int  # T, the longest decode context
+    prefills: tuple[PrefillPlan, ...]
+
+
+def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Pool rows (block_id * block_size + offset) of positions [B, T] of each sequence's block table."""
+    blocks = block_tables.long().gather(1, torch.div(positions, block_size, rounding_mode="floor"))
+    return blocks * block_size + positions % block_size
+
+
+def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                    block_size: int) -> PagedSDPAPlan:
+    """The per-step part of paged attention. The caller has validated the block tables (layout.py):
+    only entries below cdiv(seq_len, block_size) are read."""
+    seq_lens = seq_lens.long()
+    query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    device = block_tables.device
+    is_decode = query_lens == 1
+    bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()  # the step's one sync
+    decode_rows = decode_slots = decode_mask = None
+    context = 0
+    if any(decodes):
+        seqs = is_decode.nonzero().flatten()
+        dec_lens = seq_lens[seqs]
+        context = max(n for n, d in zip(lens, decodes) if d)
+        # past its length, each sequence re-reads its last token: finite, and masked out
+        positions = torch.minimum(torch.arange(context, device=device)[None, :], dec_lens[:, None] - 1)
+        decode_slots = _slots(block_tables[seqs.to(device)], positions, block_size).flatten()
+        if min(n for n, d in zip(lens, decodes) if d) < context:
+            visible = torch.arange(context, device=device)[None, :] < dec_lens[:, None]
+            decode_mask = visible[:, None, None, :]
+        if not all(decodes):
+            decode_rows = query_start_loc[:-1][seqs]
+    prefills = []
+    for b, (lo, hi, seq_len, decode) in enumerate(zip(bounds, bounds[1:], lens, decodes)):
+        if decode or hi == lo:
+            continue
+        slots = _slots(block_tables[b:b + 1], torch.arange(seq_len, device=device)[None, :], block_size)[0]
+        mask = None
+        if hi - lo != seq_len:  # a chunk: query i sits at position seq_len - (hi - lo) + i
+            first = seq_len - (hi - lo)
+            mask = (torch.arange(seq_len, device=device)[None, :]
+                    <= first + torch.arange(hi - lo, device=device)[:, None])
+        prefills.append(PrefillPlan(lo, hi, slots, mask))
+    return PagedSDPAPlan(bounds[-1], decode_rows, decode_slots, decode_mask, context, tuple(prefills))
+
+
+def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedSDPAPlan,
+                         scale: float) -> torch.Tensor:
+    """Causal attention for packed queries q [T, H, D] over one layer's pool [num_blocks, block_size,
+    kv_heads, D]; the same result as paged_attention_torch (up to rounding), in q's dtype."""
+    if q.shape[0] != plan.num_tokens:
+        raise ValueError(f"q has {q.shape[0]} rows but the plan was made for {plan.num_tokens} tokens")
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # slot s is row s
+    v_rows = v_cache.view(-1, num_kv_heads, head_dim)
+    gqa = q.shape[1] != num_kv_heads
+    if plan.decode_rows is None and not plan.prefills:
+        return _decode(q, k_rows, v_rows, plan, scale)  # the common step: all decodes, no scatter
+    out = torch.empty_like(q)
+    if plan.decode_slots is not None:
+        out[plan.decode_rows] = _decode(q[plan.decode_rows], k_rows, v_rows, plan, scale)
+    for p in plan.prefills:
+        k = k_rows.index_select(0, p.slots).transpose(0, 1)  # [kv_heads, seq_len, D]
+        v = v_rows.index_select(0, p.slots).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1), k, v, attn_mask=p.mask, scale=scale,
+                                           is_causal=p.mask is None, enable_gqa=gqa)
+        out[p.lo:p.hi] = o.transpose(0, 1)
+    return out
+
+
+def _decode(q, k_rows, v_rows, plan: PagedSDPAPlan, scale: float) -> torch.Tensor:
+    """One query per sequence, q [Bd, H, D], all sequences in one SDPA call. The G query heads that
+    share a KV head go in as G query rows of that head: SDPA then reads each K/V row once for the
+    whole group (measured in bf16: 4x faster than one query row per head with enable_gqa)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_rows.shape[1]
+    k = k_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim)
+    v = v_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim)
+    grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask,
+                                         scale=scale)
+    return out.reshape(num_seqs, num_heads, head_dim)
