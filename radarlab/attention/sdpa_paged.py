@@ -101,7 +101,7 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # slot s is row s
     v_rows = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = q.shape[1] != num_kv_heads
-    if plan.decode_rows is None and not plan.prefills:
+    if plan.decode_slots is not None and plan.decode_rows is None:
         return _decode(q, k_rows, v_rows, plan, scale)  # the common step: all decodes, no scatter
     out = torch.empty_like(q)
     if plan.decode_slots is not None:

@@ -2,9 +2,11 @@
 
 An op's self time excludes the ops it called, so the groups do not double count. What the profiler
 does not see (Python: the scheduler, building metadata, module calls) is wall time minus the sum of
-all self times. The grouping is by op name, so it is approximate: aten::index is mostly the K/V
-gather from blocks but also picks the rows for the LM head, and aten::copy_ is mostly the bf16 to
-fp32 weight conversion on CPUs without bf16 GEMMs (radarlab.models.linear) but also other casts.
+all self times. The grouping is by op name, so it is approximate: aten::index and index_select are
+mostly the K/V gather (the reference's padded blocks, or the SDPA path's rows) but also pick the
+rows for the LM head, and aten::copy_ is mostly the bf16 to fp32 weight conversion on CPUs without
+bf16 GEMMs (radarlab.models.linear) but also other casts. SDPA's fused CPU kernel counts as
+attention math.
 """
 from __future__ import annotations
 
@@ -20,7 +22,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm"),
     "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
     "attention: scores, softmax, weighted sum": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
-                                                 "aten::masked_fill"),
+                                                 "aten::masked_fill",
+                                                 "aten::_scaled_dot_product_flash_attention_for_cpu"),
     "dtype casts and copies": ("aten::copy_", "aten::_to_copy", "aten::clone"),
     "KV write at slot mapping": ("aten::index_put_", "aten::_index_put_impl_"),
 }
