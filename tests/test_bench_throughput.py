@@ -9,7 +9,7 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
-    Measurement, ThroughputConfig, format_table, goal, ratios, report,
+    Measurement, dtype_notes, results_path, ThroughputConfig, format_table, goal, ratios, report,
 )
 from radarlab.bench.workload import random_token_prompts
 
@@ -47,13 +47,31 @@ def test_ratios_and_goal():
     assert rows[64]["radarlab_over_vllm"] == pytest.approx(0.75)
     assert rows[64]["outputs_equal_vllm"] == pytest.approx(0.5) and rows[1]["outputs_equal_vllm"] == 1.0
     g = goal(ms)["by_dtype"]["float32"]
-    assert g["at_least_transformers"] is True and g["at_least_0.8x_vllm"] is False  # 0.75 < 0.8
-    ms[-1] = m("vllm", 64, 375)
-    assert goal(ms)["by_dtype"]["float32"]["at_least_0.8x_vllm"] is True  # 300/375 = 0.8 exactly
+    assert g["at_least_transformers"] is True and g["min_ratio_transformers"] == pytest.approx(1.5)
+    assert g["at_least_vllm"] is False and g["min_ratio_vllm"] == pytest.approx(0.5)  # batch 1: 20 / 40
+    ms[2], ms[-1] = m("vllm", 1, 20), m("vllm", 64, 300)
+    assert goal(ms)["by_dtype"]["float32"]["at_least_vllm"] is True  # 1.0x exactly at both sizes
     ms[1] = m("transformers", 1, 21)
     assert goal(ms)["by_dtype"]["float32"]["at_least_transformers"] is False
-    assert goal(ms[:1])["by_dtype"]["float32"] == {"at_least_transformers": None,
-                                                   "vllm_ratio_at_largest_batch": None, "at_least_0.8x_vllm": None}
+    assert goal(ms[:1])["by_dtype"]["float32"] == {"min_ratio_transformers": None, "at_least_transformers": None,
+                                                   "min_ratio_vllm": None, "at_least_vllm": None}
+
+
+def test_bf16_rows_say_when_their_matmuls_run_in_fp32():
+    doc = {"results": [m("radarlab", 1, 20, dtype="bfloat16").row()], "ratios": [],
+           "environment": {"cpu_native_bf16": False}}
+    assert format_table(doc).splitlines()[0] == ("output tokens/s, bfloat16 (radarlab's bf16 matmuls of 16+ rows "
+                                                 "run in fp32: this CPU has no bf16 instructions)")
+    doc["environment"]["cpu_native_bf16"] = True
+    assert format_table(doc).splitlines()[0] == "output tokens/s, bfloat16"
+    assert dtype_notes(True) == {} and set(dtype_notes(False)) == {"bfloat16"}
+
+
+def test_results_path_is_one_file_per_cpu_kind():
+    assert results_path("avx512_bf16").name == "throughput-avx512_bf16.json"
+    assert results_path("avx2").parent.name == "results"
+    with pytest.raises(ValueError, match="kind"):
+        results_path("../x")
 
 
 @pytest.mark.parametrize("field, value, match", [
