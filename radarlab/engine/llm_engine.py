@@ -120,7 +120,8 @@ class Engine:
         if not rows:
             return outputs
         done = [sched.requests[b] for b in rows]
-        tokens = sample(logits[rows], [r.params for r in done], [r.generator for r in done])
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]  # decode steps: no copy
+        tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
         forked = []
         for row, request in zip(rows, done):
             if request.params.n > 1 and not request.forked:

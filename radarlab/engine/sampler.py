@@ -36,10 +36,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         raise ValueError(f"logits must be [B, V] with B = len(params) = len(generators); got "
                          f"{tuple(logits.shape)}, {len(params)}, {len(generators)}")
     logits = logits.detach().float().cpu()
+    greedy = logits.argmax(-1).tolist() if any(p.greedy for p in params) else []  # one op for the batch
     out = []
-    for row, p, gen in zip(logits, params, generators):
+    for b, (row, p, gen) in enumerate(zip(logits, params, generators)):
         if p.greedy:
-            out.append(int(row.argmax()))
+            out.append(greedy[b])
             continue
         row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
         probs = row.softmax(-1)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.models.linear import Linear
+from radarlab.models.linear import Linear, PackedRowLinear
 from radarlab.util import require_int
 
 SUPPORTED_MODEL_TYPES = {"llama"}
@@ -184,7 +184,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedRowLinear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
