@@ -12,9 +12,11 @@ import copy
 import pytest
 import torch
 
+
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.util import cdiv
 from radarlab.attention.reference import attention_reference
+from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import default_device
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.kvcache.paged_cache import PagedKVCache
@@ -171,6 +173,29 @@ def test_prepare_validates_once_and_stamps_the_pool_geometry():
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is outside the pool"):
         small.attend(0, x, x, x, checked, 1.0)  # stamped for the bigger pool: checked again, and refused
     assert not small.k.any()
+
+
+def test_torch_backend_plans_once_per_step_and_attends_with_sdpa(monkeypatch):
+    """prepare builds the SDPA plan with the stamp; attend reuses it in every layer and never calls
+    the reference; a stamped metadata without a plan (a Triton pool's) gets one."""
+    import radarlab.kvcache.paged_cache as pc
+
+    cache = small_cache(block_size=4, num_blocks=8)
+    meta = AttentionMetadata.from_lens([1, 1], [5, 2], slot_mapping=torch.tensor([4, 8]),
+                                       block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32))
+    checked = cache.prepare(meta)
+    assert checked.plan.context == 5 and checked.plan.num_tokens == 2
+    plans = []
+    monkeypatch.setattr(pc, "plan_paged_sdpa", lambda *a: plans.append(a))  # no new plan may be made
+    q = torch.randn(2, 4, 8)
+    for layer in range(cache.num_layers):
+        out = cache.attend(layer, q, q[:, :2], q[:, :2], checked, 0.5)
+        ref = paged_attention_torch(q, cache.k[layer], cache.v[layer], checked.block_tables, checked.seq_lens,
+                                    checked.query_start_loc, 0.5)
+        assert (out - ref).abs().max() < 1e-6
+    assert plans == []
+    monkeypatch.undo()
+    assert cache.prepare(dataclasses.replace(checked, plan=None)).plan is not None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
