@@ -123,7 +123,7 @@ def test_group_size_must_divide_head_dim():
 
 
 def test_unknown_dtype():
-    with pytest.raises(ValueError, match="kv_dtype must be one of fp16, bf16, fp8, int4"):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, .*fp8_e5m2.*int4, kivi"):
         kv_footprint(**ARTICLE, kv_dtype="fp4")
 
 
@@ -228,3 +228,25 @@ def test_checkers_accept_right_and_reject_wrong(capsys):
 
     assert not check_max_streams(stub)
     assert "not written yet" in capsys.readouterr().out
+
+
+def test_every_format_of_the_table_is_counted_with_its_overhead():
+    """The calculator reads radarlab.quant.formats: fp8 per token and head pays an fp16 scale per head
+    vector, kivi's residual window pays 16 bits for its newest tokens."""
+    values = 30 * 3 * 64 * 2
+    assert kv_bytes_per_token(30, 3, 64, "fp8_per_token_head") == values + 30 * 3 * 2 * 2
+    assert kv_bytes_per_token(30, 3, 64, "int4_g64_sym") == values // 2 + 30 * 3 * 2 * 2
+    assert kv_bytes_per_token(30, 3, 64, "fp32") == values * 4
+    plain = kv_footprint(30, 3, 64, 1000, "kivi_g32")
+    window = kv_footprint(30, 3, 64, 1000, "kivi_g32_r128")
+    assert window.bytes_per_token == plain.bytes_per_token
+    assert window.bytes_per_stream - plain.bytes_per_stream == 128 * (30 * 3 * 64 * 2 * 2 - plain.bytes_per_token)
+    short = kv_footprint(30, 3, 64, 10, "kivi_g32_r128")  # a stream shorter than the window is all 16-bit
+    assert short.bytes_per_stream == 10 * 30 * 3 * 64 * 2 * 2
+
+
+def test_cli_takes_any_format_name(capsys):
+    code, stdout, _ = _cli("--model", "smollm2-135m", "--kv-dtype", "int4_g32_sym", "--tokens", "1", capsys=capsys)
+    assert code == 0 and "bytes per token:  5,760 payload + 720 scales/zero points = 6,480" in stdout
+    code, _, stderr = _cli("--kv-dtype", "fp4", capsys=capsys)
+    assert code == 2 and "--kv-dtype must be one of auto" in stderr

@@ -74,3 +74,13 @@ def test_streams_are_counted_in_the_room_the_weights_leave():
     assert "0 streams fit in the 8.00 GB left after 40.00 GB of weights (GPU 48.00 GB)" in w.result.value
     w.controls["weights_gb"].value = 36.0
     assert "1 stream fits in the 12.00 GB left after 36.00 GB of weights" in w.result.value
+
+
+def test_widget_offers_every_format_of_the_table():
+    from radarlab.quant.formats import KV_CACHE_DTYPES
+
+    w = kv_calculator(model="smollm2-135m", tokens=1)
+    assert list(w.controls["kv_dtype"].options) == list(KV_CACHE_DTYPES)
+    w.controls["group_size"].value = 32
+    w.controls["kv_dtype"].value = "kivi"  # keys per channel over 32 tokens, values per token in groups of 32
+    assert w.result.value.startswith("7,200 bytes/token")  # (0.5 + 4/32) x 11,520 values, as int4 g32 asym

@@ -117,11 +117,8 @@ def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: s
     batch = require_int("batch", batch)
     if weight_dtype not in _WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_BYTES)}, got {weight_dtype!r}")
-    if kv_dtype == "fp32":  # the calculator stops at 16 bits; an fp32 cache is twice fp16
-        per_token_kv = 2 * kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, "fp16", None)
-    else:
-        per_token_kv = kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype,
-                                          group_size if kv_dtype == "int4" else None)
+    # Any kv_cache_dtype of the table of formats (radarlab.quant.formats), scales and zero points counted.
+    per_token_kv = kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype, group_size)
     return DecodeStep(
         batch=batch,
         context=context,

@@ -8,6 +8,8 @@ Every decoder layer keeps, for every token of context, one key and one value vec
 FP16/BF16 store 2 bytes per value and FP8 one. INT4 stores half a byte per value, plus, for each group
 of `group_size` values, the fp16 scale and fp16 zero point needed to dequantize it: 4 bytes per group,
 i.e. 0.5 + 4/g bytes per value. Articles often quote the bare 0.5; the calculator shows both.
+Those numbers are not kept here: every format (kv_cache_dtype) and its costs come from the one table
+in radarlab.quant.formats, which the paged cache, the roofline and the notebook widget read too.
 
 Sizes are in decimal gigabytes (1 GB = 10^9 bytes), as the article and GPU spec sheets use.
 Everything here is exact integer arithmetic on bytes; rounding happens only when printing.
@@ -22,33 +24,13 @@ import sys
 from dataclasses import asdict, dataclass
 
 from radarlab.kvcache.model_config import load_model_config, stored_config, stored_config_names
+from radarlab.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, kv_format
 from radarlab.util import require_int, require_number
 
 GB = 10**9  # decimal gigabyte
 GIB = 2**30  # binary gibibyte (what nvidia-smi and torch report)
 
-KV_DTYPES = ("fp16", "bf16", "fp8", "int4")
-# Bytes per stored value, as a fraction (numerator, denominator) so INT4's half byte stays exact.
-_PAYLOAD_BYTES = {"fp16": (2, 1), "bf16": (2, 1), "fp8": (1, 1), "int4": (1, 2)}
-INT4_GROUP_METADATA_BYTES = 4  # one fp16 scale + one fp16 zero point per group
-DEFAULT_GROUP_SIZE = 128
-
-
-def _check_dtype(kv_dtype: str) -> str:
-    if kv_dtype not in _PAYLOAD_BYTES:
-        raise ValueError(f"kv_dtype must be one of {', '.join(KV_DTYPES)}; got {kv_dtype!r}")
-    return kv_dtype
-
-
-def _check_group(group_size, head_dim: int) -> int:
-    """INT4 groups run along head_dim, so a group must not straddle two heads."""
-    g = require_int("group_size", group_size)
-    if head_dim % g:
-        raise ValueError(
-            f"group_size ({g}) must divide head_dim ({head_dim}): groups are taken along each head's "
-            f"{head_dim} values; try one of {[d for d in (16, 32, 64, 128, 256) if head_dim % d == 0]}"
-        )
-    return g
+KV_DTYPES = KV_CACHE_DTYPES  # every base name of the table of formats (radarlab.quant.formats)
 
 
 def kv_values_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
@@ -58,19 +40,18 @@ def kv_values_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
 
 
 def payload_bytes_per_value(kv_dtype: str) -> float:
-    """2 for fp16/bf16, 1 for fp8, 0.5 for int4 (metadata not included)."""
-    num, den = _PAYLOAD_BYTES[_check_dtype(kv_dtype)]
-    return num / den
+    """2 for fp16/bf16, 1 for fp8, 0.5 for int4 (metadata not included), from the table of formats."""
+    return kv_format(kv_dtype).payload_bytes_per_value()
 
 
 def int4_overhead_bytes_per_value(group_size: int) -> float:
     """An fp16 scale and an fp16 zero point shared by each group of g values: 4/g bytes per value."""
-    return INT4_GROUP_METADATA_BYTES / require_int("group_size", group_size)
+    return kv_format("int4", require_int("group_size", group_size)).metadata_bytes_per_group / group_size
 
 
 def int4_bytes_per_value(group_size: int) -> float:
     """What INT4 really costs per value once scales and zero points are counted: 0.5 + 4/g."""
-    return 0.5 + int4_overhead_bytes_per_value(group_size)
+    return payload_bytes_per_value("int4") + int4_overhead_bytes_per_value(group_size)
 
 
 @dataclass(frozen=True)
@@ -82,9 +63,10 @@ class KVFootprint:
     head_dim: int
     tokens: int
     kv_dtype: str
-    group_size: int | None  # only for int4
+    group_size: int | None  # only for formats with groups (int4, kivi)
     payload_bytes_per_token: int
-    overhead_bytes_per_token: int  # int4 scales and zero points; 0 otherwise
+    overhead_bytes_per_token: int  # scales and zero points stored per token; 0 for 16-bit and per-tensor fp8
+    residual_bytes_per_stream: int = 0  # kivi: the residual window's 16-bit tokens, beyond their 4-bit cost
 
     @property
     def bytes_per_token(self) -> int:
@@ -96,11 +78,11 @@ class KVFootprint:
 
     @property
     def overhead_bytes_per_stream(self) -> int:
-        return self.overhead_bytes_per_token * self.tokens
+        return self.overhead_bytes_per_token * self.tokens + self.residual_bytes_per_stream
 
     @property
     def bytes_per_stream(self) -> int:
-        return self.bytes_per_token * self.tokens
+        return self.bytes_per_token * self.tokens + self.residual_bytes_per_stream
 
     @property
     def gb_per_stream(self) -> float:
@@ -117,23 +99,23 @@ class KVFootprint:
 
 def kv_footprint(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtype: str = "fp16",
                  group_size: int | None = DEFAULT_GROUP_SIZE) -> KVFootprint:
-    """Bytes per token and per stream of `tokens` context. group_size matters only for int4."""
+    """Bytes per token and per stream of `tokens` context, read from the table of formats.
+    group_size applies to formats with groups whose name gives none ("int4", not "int4_g64")."""
     values = kv_values_per_token(layers, kv_heads, head_dim)
     tokens = require_int("tokens", tokens)
-    _check_dtype(kv_dtype)
     if group_size is not None:
         require_int("group_size", group_size)
-    elif kv_dtype == "int4":
-        raise ValueError("group_size is required for int4 (values sharing one scale and zero point)")
-    num, den = _PAYLOAD_BYTES[kv_dtype]
-    payload = values * num // den  # values is even (K and V), so int4's half byte divides exactly
-    overhead = 0
-    if kv_dtype == "int4":
-        g = _check_group(group_size, head_dim)
-        overhead = values // g * INT4_GROUP_METADATA_BYTES
-    else:
-        g = None
-    return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, g, payload, overhead)
+    fmt = kv_format(kv_dtype, group_size)
+    payload, overhead = fmt.bytes_per_token_head(head_dim)  # one token, one head, K and V
+    heads = values // (2 * head_dim)  # layers x kv_heads
+    payload, overhead = payload * heads, overhead * heads
+    if payload.denominator != 1 or overhead.denominator != 1:
+        raise ValueError(f"{fmt.name} does not store a whole number of bytes per token with head_dim {head_dim}")
+    # kivi's newest tokens wait in 16-bit: 2 bytes for each of K's and V's head_dim values, not their 4-bit cost
+    residual = min(fmt.residual, tokens)
+    extra = residual * (heads * 4 * head_dim - (payload + overhead))
+    return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, fmt.group_size, int(payload), int(overhead),
+                       int(extra))
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str = "fp16",
@@ -312,9 +294,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, default in _SHAPE_DEFAULTS.items():
         p.add_argument(_FLAGS[name], type=int, default=None, help=f"default {default}; not with --model")
     p.add_argument("--tokens", type=int, default=32768, help="context length of one stream")
-    p.add_argument("--kv-dtype", choices=KV_DTYPES, default="fp16")
+    p.add_argument("--kv-dtype", default="fp16", metavar="KV_CACHE_DTYPE",
+                   help="a kv_cache_dtype: " + ", ".join(KV_DTYPES) + " (options such as int4_g64_sym or "
+                        "kivi_g32_r128: see radarlab.quant.formats)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                   help="int4 only: values sharing one fp16 scale and zero point (must divide head dim)")
+                   help="int4/kivi without g<N> in the name: values sharing one scale (and zero point); "
+                        "must divide head dim")
     p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in decimal GB (e.g. 48 for two 4090s)")
     p.add_argument("--weights-gb", type=float, default=0.0, help="memory the model weights take, GB")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
@@ -337,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                            args.group_size, args.gpu_mem_gb, args.weights_gb, model=name)
     except ValueError as err:
         field, _, rest = str(err).partition(" ")
+        if field == "kv_cache_dtype":
+            field = "kv_dtype"
         if field in _FLAGS:  # name the flag the user typed, not the Python parameter
             field = _FLAGS[field]
         parser.error(f"{field} {rest}")  # exits with status 2 and the message

@@ -48,7 +48,7 @@ class KVCalculator(widgets.VBox):
                                               style=style, layout=layout),
             "kv_dtype": widgets.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
             "group_size": widgets.Dropdown(options=sorted({16, 32, 64, 128, group_size}), value=group_size,
-                                           description="int4 group", style=style),
+                                           description="group size", style=style),
             "gpu_mem_gb": widgets.BoundedFloatText(value=gpu_mem_gb, min=0.0, max=10000.0, step=1.0,
                                                    description="GPU memory GB", style=style),
             "weights_gb": widgets.BoundedFloatText(value=weights_gb, min=0.0, max=10000.0, step=1.0,
@@ -101,8 +101,7 @@ class KVCalculator(widgets.VBox):
         v = self.values()
         try:
             report = kv_report(v["layers"], v["kv_heads"], v["head_dim"], v["tokens"], v["kv_dtype"],
-                               v["group_size"] if v["kv_dtype"] == "int4" else None,
-                               v["gpu_mem_gb"], v["weights_gb"])
+                               v["group_size"], v["gpu_mem_gb"], v["weights_gb"])
         except ValueError as err:  # e.g. a group size that does not divide head dim: say so in place
             self.result.value = f"cannot compute: {err}"
             return

@@ -1,0 +1,86 @@
+"""KIVI: keys quantized per channel, in groups of g tokens; values per token; recent tokens in 16-bit.
+
+Keys have outlier channels (a few of head_dim's channels are large for every token), so a scale per
+token must cover the outlier and crushes the rest. KIVI groups keys the other way: one scale and zero
+point per channel, shared by g consecutive tokens. Values have no such channels and are grouped per
+token along head_dim, as in int4.py. Both are asymmetric INT4.
+
+A key group can only be quantized once its g tokens exist, so the newest tokens wait in 16-bit: the
+last partial group, plus a residual window of `residual` tokens KIVI keeps unquantized on purpose
+(the newest tokens matter most to the next query). With T tokens, the first
+quantized_length(T, g, residual) = floor((T - residual) / g) x g are quantized, the rest stay 16-bit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from radarlab.quant import int4
+from radarlab.util import require_int
+
+
+def quantized_length(num_tokens: int, group_size: int, residual: int = 0) -> int:
+    """How many of num_tokens are quantized: whole groups, leaving at least `residual` tokens in 16-bit."""
+    n = require_int("num_tokens", num_tokens, minimum=0)
+    g = require_int("group_size", group_size)
+    r = require_int("residual", residual, minimum=0)
+    return max(0, n - r) // g * g
+
+
+def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16"):
+    """Keys [T, H, D], T a multiple of g -> (packed [T/g, H, D, g/2], scales [T/g, H, D, 1], zeros [T/g, H, D, 1]).
+
+    Each (token group, head, channel) is one int4 group of g values along tokens."""
+    t, h, d = k.shape
+    g = int4.check_group(group_size, t)
+    per_channel = k.reshape(t // g, g, h, d).permute(0, 2, 3, 1)  # [T/g, H, D, g]
+    return int4.quantize(per_channel, g, symmetric=False, scale_dtype=scale_dtype)
+
+
+def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "fp16",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_keys: [T, H, D]."""
+    x = int4.dequantize(packed, scales, zeros, group_size, scale_dtype, dtype)  # [T/g, H, D, g]
+    n, h, d, g = x.shape
+    return x.permute(0, 3, 1, 2).reshape(n * g, h, d)
+
+
+@dataclass
+class KiviKV:
+    """One head set's K and V under KIVI: the quantized prefix and the 16-bit tail."""
+
+    group_size: int
+    scale_dtype: str
+    keys: tuple  # quantize_keys' (packed, scales, zeros)
+    values: tuple  # int4.quantize's (packed, scales, zeros), values grouped per token along head_dim
+    k_tail: torch.Tensor  # [tail, H, D] in 16-bit
+    v_tail: torch.Tensor
+
+    @property
+    def num_quantized(self) -> int:
+        return self.keys[0].shape[0] * self.group_size
+
+
+def quantize(k: torch.Tensor, v: torch.Tensor, group_size: int = 32, residual: int = 0,
+             scale_dtype: str = "fp16", tail_dtype: torch.dtype = torch.float16) -> KiviKV:
+    """KIVI-quantize K and V [T, H, D]: whole groups quantized, the rest kept in tail_dtype."""
+    if k.dim() != 3 or v.shape != k.shape:
+        raise ValueError(f"k and v must both be [num_tokens, num_kv_heads, head_dim], got {tuple(k.shape)} "
+                         f"and {tuple(v.shape)}")
+    int4.check_group(group_size, k.shape[2])  # values are grouped along head_dim
+    n = quantized_length(k.shape[0], group_size, residual)
+    return KiviKV(group_size, scale_dtype, quantize_keys(k[:n], group_size, scale_dtype),
+                  int4.quantize(v[:n], group_size, symmetric=False, scale_dtype=scale_dtype),
+                  k[n:].to(tail_dtype), v[n:].to(tail_dtype))
+
+
+def dequantize(kv: KiviKV, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V [T, H, D] back: the dequantized prefix followed by the tail."""
+    g = kv.group_size
+    if kv.num_quantized:
+        k = dequantize_keys(*kv.keys, g, kv.scale_dtype, dtype)
+        v = int4.dequantize(*kv.values, g, kv.scale_dtype, dtype)
+    else:
+        k = v = kv.k_tail.new_zeros((0, *kv.k_tail.shape[1:]), dtype=dtype)
+    return torch.cat((k, kv.k_tail.to(dtype))), torch.cat((v, kv.v_tail.to(dtype)))
