@@ -103,23 +103,11 @@ class RecordingCache:
     """A KV backend that passes every layer through `cache` and keeps that layer's q, K and V."""
 
     def __init__(self, cache) -> None:
-        self.cache, self.q, self.k, self.v = cache, {}, {}, {}
+        self.cache, self.inputs = cache, {}
 
     def attend(self, layer, q, k, v, meta, scale):
-        self.q[layer], self.k[layer], self.v[layer] = q.clone(), k.clone(), v.clone()
+        self.inputs[layer] = (q.clone(), k.clone(), v.clone())
         return self.cache.attend(layer, q, k, v, meta, scale)
-
-
-def _prefill_metadata(cache, token_ids, block_size: int):
-    """A fresh block manager holding one sequence of token_ids, and the step that prefills all of it."""
-    from radarlab.kvcache.block_table import BlockSpaceManager
-    from radarlab.kvcache.sequence import Sequence
-    from radarlab.models.paged_runner import paged_metadata
-
-    manager = BlockSpaceManager(cache.num_blocks, block_size, enable_prefix_caching=False)
-    seq = Sequence(0, list(token_ids), block_size)
-    manager.allocate(seq)
-    return cache.prepare(paged_metadata(manager, [seq], [0], [len(token_ids)], cache.k.device))
 
 
 def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: dict | None = None):
@@ -141,16 +129,16 @@ def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: 
                                   device=param.device, kv_cache_dtype=scheme.kv_cache_dtype, **extra)
 
 
-def sequence_nll(model, cache, token_ids, block_size: int) -> tuple[float, int]:
+def sequence_nll(model, cache, token_ids) -> tuple[float, int]:
     """(summed negative log-likelihood of tokens 1.., number of tokens predicted), one prefill."""
     import torch
     import torch.nn.functional as F
 
-    meta = _prefill_metadata(cache, token_ids, block_size)
-    ids = torch.tensor(token_ids, device=meta.positions.device)
-    logits = model(ids, meta.positions, cache, meta)
-    nll = F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
-    return float(nll), len(token_ids) - 1
+    from radarlab.models.paged_runner import paged_prefill_logits
+
+    logits = paged_prefill_logits(model, cache, token_ids)
+    targets = torch.tensor(token_ids[1:], device=logits.device)
+    return float(F.cross_entropy(logits[:-1].float(), targets, reduction="sum")), len(token_ids) - 1
 
 
 def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | None = None) -> float:
@@ -158,19 +146,17 @@ def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | No
     cache = make_cache(model, scheme, max(len(c) for c in chunks), block_size, scales)
     total, count = 0.0, 0
     for chunk in chunks:
-        nll, n = sequence_nll(model, cache, chunk, block_size)
+        nll, n = sequence_nll(model, cache, chunk)
         total, count = total + nll, count + n
     return math.exp(total / count)
 
 
 def record_qkv(model, token_ids, block_size: int) -> RecordingCache:
     """Every layer's q, K, V for one sequence, from an fp32 cache."""
-    import torch
+    from radarlab.models.paged_runner import paged_prefill_logits
 
     rec = RecordingCache(make_cache(model, Scheme(BASELINE, "fp32"), len(token_ids), block_size))
-    meta = _prefill_metadata(rec.cache, token_ids, block_size)
-    model(torch.tensor(token_ids, device=meta.positions.device), meta.positions, rec, meta,
-          logits_indices=meta.query_start_loc[1:] - 1)
+    paged_prefill_logits(model, rec.cache, token_ids, logits_indices=torch.tensor([len(token_ids) - 1]), backend=rec)
     return rec
 
 
@@ -184,10 +170,9 @@ def calibrate_scales(model, chunks, block_size: int) -> dict:
 
     ks, vs = {}, {}
     for chunk in chunks:
-        rec = record_qkv(model, chunk, block_size)
-        for layer in rec.k:
-            ks.setdefault(layer, []).append(rec.k[layer])
-            vs.setdefault(layer, []).append(rec.v[layer])
+        for layer, (_, k, v) in record_qkv(model, chunk, block_size).inputs.items():
+            ks.setdefault(layer, []).append(k)
+            vs.setdefault(layer, []).append(v)
     layers = sorted(ks)
     k = [torch.cat(ks[i]) for i in layers]
     v = [torch.cat(vs[i]) for i in layers]
@@ -213,11 +198,13 @@ def attention_error(model, scheme: Scheme, rec: RecordingCache, block_size: int,
 def attention_outputs(model, scheme: Scheme, rec: RecordingCache, block_size: int, scales: dict | None = None
                       ) -> dict:
     """Each layer's attention output when its recorded q, K, V go through a cache of the scheme's format."""
-    num_tokens = next(iter(rec.k.values())).shape[0]
+    from radarlab.models.paged_runner import prefill_metadata
+
+    num_tokens = rec.inputs[0][1].shape[0]
     cache = make_cache(model, scheme, num_tokens, block_size, scales)
-    meta = _prefill_metadata(cache, list(range(num_tokens)), block_size)  # the ids are not read here
+    meta = prefill_metadata(cache, [0] * num_tokens)  # the token ids are not read here
     scale = model.config.head_dim ** -0.5
-    return {i: cache.attend(i, rec.q[i], rec.k[i], rec.v[i], meta, scale).float() for i in sorted(rec.k)}
+    return {i: cache.attend(i, q, k, v, meta, scale).float() for i, (q, k, v) in sorted(rec.inputs.items())}
 
 
 # --- bytes ------------------------------------------------------------------------------------------
