@@ -19,7 +19,7 @@ from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
 from radarlab.util import require_int
@@ -44,18 +44,26 @@ class RequestOutput:
 
 
 class Engine:
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_seqs: int = 64,
+    def __init__(self, model, num_blocks: int | None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, backend: str = "torch",
-                 enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0) -> None:
+                 enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
+                 kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None) -> None:
+        """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
+        that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks)."""
         cfg = model.config
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
         require_int("max_model_len (at most the model's context)", max_model_len, 1, cfg.max_position_embeddings)
         param = next(model.parameters())
+        if (num_blocks is None) == (kv_cache_bytes is None):
+            raise ValueError("give num_blocks or kv_cache_bytes (a byte budget for the pool), not both")
+        if num_blocks is None:
+            num_blocks = num_blocks_for_budget(kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                               block_size, kv_cache_dtype, param.dtype)
         self.model = model
         self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
-                                            backend=backend)
+                                            backend=backend, kv_cache_dtype=kv_cache_dtype)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id

@@ -13,6 +13,15 @@ Two indirections, with vLLM's names:
   i*block_size .. (i+1)*block_size - 1.
 
 The cache does not choose blocks; the caller (the block manager, via AttentionMetadata) does.
+
+Quantized caches (kv_cache_dtype, any name of radarlab.quant.formats): self.k / self.v hold the payload
+(FP8 codes, or two INT4 codes a byte) in the same block layout, and self.k_scales / self.k_zeros, where
+the format stores scales per token, are block-shaped beside it: [num_layers, num_blocks, block_size,
+num_kv_heads, S], so the block table that finds a block's codes finds its scales. FP8's static scales
+(vLLM's k_scale / v_scale) are per layer: self.k_scale [num_layers] or, calibrated per head,
+[num_layers, num_kv_heads]. The write quantizes; attention reads through QuantizedPool views, which
+dequantize only the blocks a step reads. A rotated format rotates K (stored) and q (before attention)
+by the same orthogonal matrix, so scores are unchanged up to quantization error.
 """
 from __future__ import annotations
 
@@ -24,18 +33,32 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.quant.formats import KVFormat, kv_format
+from radarlab.quant.kv_codec import QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width
+from radarlab.quant.rotation import rotate, rotation_matrix
 from radarlab.util import require_int, require_power_of_two
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype: str | KVFormat = "auto",
+                      k_scale=1.0, v_scale=1.0) -> None:
     """The KV write in torch: token t's k[t], v[t] ([kv_heads, D]) go to slot_mapping[t], -1 skipped.
 
-    Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks).
-    The caller validates the slots (validate_slot_mapping).
+    Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks),
+    with its kv_cache_dtype, k_scale and v_scale: an fp8 cache given as plain uint8 pools stores
+    encode(k / k_scale). Formats that keep scales beside the codes are written through QuantizedPool
+    pools (PagedKVCache passes them), which carry their own scales. The caller validates the slots.
     """
     slots = slot_mapping.long()
     if bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
+    fmt = kv_format(kv_cache_dtype)
+    if fmt.is_quantized and not isinstance(k_cache, QuantizedPool):  # vLLM's form: raw pools and static scales
+        k_cache, v_cache = (QuantizedPool(fmt, k_cache, scale=k_scale, head_dim=k.shape[-1]),
+                            QuantizedPool(fmt, v_cache, scale=v_scale, head_dim=v.shape[-1]))
+    if isinstance(k_cache, QuantizedPool):
+        k_cache.write(k, slots)
+        v_cache.write(v, slots)
+        return
     # A pool [num_blocks, block_size, ...] viewed as [num_slots, ...]: slot s is row s.
     k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
@@ -60,6 +83,9 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         backend: str = "torch",
+        kv_cache_dtype: str | KVFormat = "auto",
+        k_scale=1.0,
+        v_scale=1.0,
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
@@ -67,26 +93,90 @@ class PagedKVCache:
         require_power_of_two("block_size", block_size)
         if backend not in self.BACKENDS:
             raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")
-        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        fmt = kv_format(kv_cache_dtype).resolve(dtype)
+        fmt.check_head_dim(head_dim)
+        self.kv_format = fmt
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.backend = backend
+        self.dtype = dtype  # what attention returns; the pool itself stores fmt.storage_dtype
+        lead = (num_layers, num_blocks, block_size, num_kv_heads)
+        self.k = torch.zeros(*lead, payload_width(fmt, head_dim), dtype=fmt.storage_dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        s = scale_width(fmt, head_dim)
+        self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
+        if s:
+            self.k_scales = torch.ones(*lead, s, dtype=meta_dtype(fmt), device=device)
+            self.v_scales = torch.ones_like(self.k_scales)
+            if fmt.is_packed and not fmt.symmetric:
+                self.k_zeros = torch.zeros_like(self.k_scales)
+                self.v_zeros = torch.zeros_like(self.k_scales)
+        self.k_scale = self.v_scale = None
+        if fmt.kind == "fp8" and fmt.scale_rule == "tensor":
+            self.set_kv_scales(k_scale, v_scale)
+        elif not (_is_one(k_scale) and _is_one(v_scale)):
+            raise ValueError(f"k_scale and v_scale are static fp8 scales; {fmt.name} takes none (got {k_scale!r}, "
+                             f"{v_scale!r})")
+        self.rotation = (rotation_matrix(fmt.rotation, head_dim).to(device) if fmt.rotation else None)
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
-                  backend: str = "torch") -> "PagedKVCache":
+                  backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
+                  v_scale=1.0) -> "PagedKVCache":
         return cls(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, block_size,
-                   dtype, device, backend)
+                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale)
+
+    def set_kv_scales(self, k_scale, v_scale) -> None:
+        """fp8's static scales, one per layer: a number (every layer), a tensor [num_layers], or per head
+        [num_layers, num_kv_heads] (e.g. calibrated with radarlab.quant.fp8.calibrated_scale)."""
+        if self.kv_format.kind != "fp8" or self.kv_format.scale_rule != "tensor":
+            raise ValueError(f"{self.kv_format.name} has no static scales to set")
+        self.k_scale = self._layer_scales("k_scale", k_scale)
+        self.v_scale = self._layer_scales("v_scale", v_scale)
+
+    def _layer_scales(self, name: str, scale) -> torch.Tensor:
+        s = scale if isinstance(scale, torch.Tensor) else torch.full((self.num_layers,), float(scale))
+        if tuple(s.shape) not in ((self.num_layers,), (self.num_layers, self.num_kv_heads)):
+            raise ValueError(f"{name} must be a number, [{self.num_layers}] (per layer) or [{self.num_layers}, "
+                             f"{self.num_kv_heads}] (per layer and head), got shape {tuple(s.shape)}")
+        for layer in range(self.num_layers):
+            check_static_scale(s[layer], self.num_kv_heads)  # finite and > 0, or ValueError
+        return s.float().to(self.k.device)
 
     @property
     def num_slots(self) -> int:
         return self.num_blocks * self.block_size
 
+    def block_tensors(self) -> list[torch.Tensor]:
+        """Every block-shaped tensor: payloads, and the scales and zero points stored beside them."""
+        return [t for t in (self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros)
+                if t is not None]
+
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.block_tensors())
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                        kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32) -> int:
+        """Bytes one block takes in all layers, K and V, scales and zero points included."""
+        fmt = kv_format(kv_cache_dtype).resolve(dtype)
+        payload, overhead = fmt.bytes_per_token_head(head_dim, dtype)
+        total = (payload + overhead) * block_size * num_kv_heads * num_layers
+        if total.denominator != 1:
+            raise ValueError(f"{fmt.name}: a block of {block_size} tokens is not a whole number of bytes")
+        return int(total)
+
+    def layer_pools(self, layer: int):
+        """(K, V) of one layer as attention reads them: plain tensors, or QuantizedPool views."""
+        if not self.kv_format.is_quantized:
+            return self.k[layer], self.v[layer]
+        pick = (lambda t: None if t is None else t[layer])
+        scale = (lambda t: 1.0 if t is None else t[layer])
+        return (QuantizedPool(self.kv_format, self.k[layer], pick(self.k_scales), pick(self.k_zeros),
+                              scale(self.k_scale), self.head_dim),
+                QuantizedPool(self.kv_format, self.v[layer], pick(self.v_scales), pick(self.v_zeros),
+                              scale(self.v_scale), self.head_dim))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
@@ -103,7 +193,15 @@ class PagedKVCache:
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self.backend == "triton":
+        if self.kv_format.is_quantized:
+            k_pool, v_pool = self.layer_pools(layer)
+            if self.backend == "triton":
+                from radarlab.attention.triton_quant import triton_quant_reshape_and_cache
+
+                triton_quant_reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, check=False)
+            else:
+                reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, self.kv_format)
+        elif self.backend == "triton":
             from radarlab.attention.triton_paged import triton_reshape_and_cache
 
             triton_reshape_and_cache(k, v, self.k[layer], self.v[layer], slot_mapping, check=False)
@@ -128,8 +226,8 @@ class PagedKVCache:
             raise ValueError(f"copy_blocks: a destination block appears twice in {pairs}")
         src = torch.tensor([s for s, _ in pairs], device=self.k.device)
         dst = torch.tensor(dsts, device=self.k.device)
-        self.k[:, dst] = self.k[:, src]
-        self.v[:, dst] = self.v[:, src]
+        for t in self.block_tensors():  # codes and the scales beside them move together
+            t[:, dst] = t[:, src]
 
     @property
     def geometry(self) -> tuple:
@@ -158,6 +256,8 @@ class PagedKVCache:
         checked here, in every layer."""
         self._check_kv(layer, k, v)
         meta = self.prepare(meta)
+        if self.kv_format.is_quantized:
+            return self._attend_quantized(layer, q, k, v, meta, scale)
         self._write(layer, k, v, meta.slot_mapping)
         if self.backend == "triton":
             from radarlab.attention.triton_paged import triton_paged_attention
@@ -167,6 +267,20 @@ class PagedKVCache:
         return paged_attention_torch(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, check=False)
 
+    def _attend_quantized(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        """Rotate q and k if the format says so, write (quantizing), attend dequantizing block by block."""
+        if self.rotation is not None:
+            q, k = rotate(q, self.rotation), rotate(k, self.rotation)
+        self._write(layer, k, v, meta.slot_mapping)
+        k_pool, v_pool = self.layer_pools(layer)
+        if self.backend == "triton":
+            from radarlab.attention.triton_quant import triton_quant_paged_attention
+
+            return triton_quant_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
+                                                meta.query_start_loc, scale, check=False)
+        return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+                                     scale, check=False)
+
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} is outside the cache (valid layers: 0..{self.num_layers - 1})")
@@ -174,4 +288,20 @@ class PagedKVCache:
     def __repr__(self) -> str:
         return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.k.dtype}, "
-                f"backend={self.backend!r})")
+                f"kv_cache_dtype={self.kv_format.name!r}, backend={self.backend!r})")
+
+
+def _is_one(scale) -> bool:
+    return not isinstance(scale, torch.Tensor) and not isinstance(scale, bool) and scale == 1.0
+
+
+def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+                          kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32) -> int:
+    """How many blocks a byte budget holds in a format, every scale and zero point counted: the same
+    bytes give an FP8 pool twice the blocks of a 16-bit one. At least one block, or ValueError."""
+    budget = require_int("budget_bytes", budget_bytes)
+    per = PagedKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_cache_dtype, dtype)
+    if budget < per:
+        raise ValueError(f"budget_bytes ({budget:,}) is below one block ({per:,} bytes in "
+                         f"{kv_format(kv_cache_dtype).resolve(dtype).name})")
+    return budget // per

@@ -81,13 +81,14 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
                           manager: BlockSpaceManager | None = None, cache: PagedKVCache | None = None,
                           block_size: int = 16, enable_prefix_caching: bool = True, backend: str = "torch",
                           eos_token_id: int | None = None, seq_ids: SequenceType[Hashable] | None = None,
-                          free_finished: bool = True) -> list[list[int]]:
+                          free_finished: bool = True, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """greedy_generate on the paged cache: same arguments, same result (new tokens per prompt).
 
     Each prompt becomes a Sequence; all are allocated first (prefix-cache hits skip their cached
     blocks), prefilled in one packed step, then decoded together, one append_slots per token. Pass
     manager and cache to keep them across calls (a later call then hits the blocks this one cached);
-    by default both are made to fit. Finished sequences are freed unless free_finished is False. There
+    by default both are made to fit, the pool in kv_cache_dtype (a name of radarlab.quant.formats).
+    Finished sequences are freed unless free_finished is False. There
     is no scheduler here: a pool too small raises NoFreeBlocks (notebook 05's engine preempts instead).
     """
     cfg = model.config
@@ -99,7 +100,7 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
         manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
         param = next(model.parameters())
         cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
-                                       backend=backend)
+                                       backend=backend, kv_cache_dtype=kv_cache_dtype)
     if manager.block_size != cache.block_size or manager.num_blocks != cache.num_blocks:
         raise ValueError(f"manager ({manager.num_blocks} blocks of {manager.block_size}) and cache "
                          f"({cache.num_blocks} blocks of {cache.block_size}) describe different pools")
