@@ -4,6 +4,8 @@ Subcommands:
   memory       reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
   throughput   output tokens/s of the radarlab engine, transformers and vLLM on the same prompts
   latency      TTFT, inter-token latency and throughput under Poisson arrivals, swept over request rates
+  quant        KV-cache formats: bytes per token, attention error, perplexity through the paged cache,
+               and how many long requests the engine runs at once on a fixed KV byte budget
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import latency, reservation, throughput
+    from radarlab.bench import kv_quant, latency, reservation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", reservation, "reserved vs live KV memory: contiguous vs paged cache"),
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
+        ("quant", kv_quant, "KV formats: bytes, attention error, perplexity, concurrency at a fixed budget"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)

@@ -124,3 +124,24 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
                 manager.free(s)
         active = still
     return [list(s.output_token_ids) for s in seqs]
+
+
+def prefill_metadata(cache: PagedKVCache, token_ids: SequenceType[int]) -> AttentionMetadata:
+    """The metadata of one step that prefills one sequence from an empty pool (a fresh block manager
+    over the pool's blocks), checked against the pool."""
+    manager = BlockSpaceManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
+    seq = Sequence(0, list(token_ids), cache.block_size)
+    manager.allocate(seq)  # NoFreeBlocks when the pool is too small for the sequence
+    return cache.prepare(paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device))
+
+
+@torch.inference_mode()
+def paged_prefill_logits(model, cache: PagedKVCache, token_ids: SequenceType[int],
+                         logits_indices: torch.Tensor | None = None, backend=None) -> torch.Tensor:
+    """Logits of one sequence prefilled in one step from a pool of its own (teacher forcing: perplexity,
+    logprobs): every row, or those in logits_indices. Each layer writes its K/V into the pool, in the
+    pool's format, and attends over what the pool gives back, so a quantized cache counts. backend
+    (default: the cache) is what the layers call, e.g. a wrapper that records their inputs."""
+    meta = prefill_metadata(cache, token_ids)
+    ids = torch.tensor(list(token_ids), device=cache.k.device)
+    return model(ids, meta.positions, cache if backend is None else backend, meta, logits_indices=logits_indices)

@@ -16,7 +16,7 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.util import is_int, require_int
+from radarlab.util import cdiv, is_int, require_int
 
 
 @dataclass(frozen=True)
@@ -120,12 +120,15 @@ def max_logprob_diff(logprobs_a, logprobs_b, positions: int) -> float:
 
 
 @torch.inference_mode()
-def topk_logprobs(model, prompt_ids, continuation_ids, k: int) -> list[dict[int, float]]:
+def topk_logprobs(model, prompt_ids, continuation_ids, k: int, kv_cache_dtype: str | None = None,
+                  block_size: int = 16) -> list[dict[int, float]]:
     """Our top-k logprobs at each continuation position, by one teacher-forced forward.
 
     Entry i is the distribution that predicts continuation_ids[i] given the prompt and
     continuation_ids[:i], as vLLM reports it for its own generated tokens. One prefill of
     prompt + continuation[:-1] gives them all (causal attention), instead of a decode loop.
+    With kv_cache_dtype the forward runs over a paged cache of that format (e.g. FP8), which every
+    layer writes and then reads back, as a decode loop over that cache would; else a contiguous one.
     """
     cfg = model.config
     prompt = _check_tokens(prompt_ids, "prompt_ids")
@@ -144,11 +147,19 @@ def topk_logprobs(model, prompt_ids, continuation_ids, k: int) -> list[dict[int,
         raise ValueError(f"prompt + continuation need {n} positions, more than the model's maximum "
                          f"context of {cfg.max_position_embeddings}")
     param = next(model.parameters())
-    cache = ContiguousKVCache.for_model(cfg, 1, n, dtype=param.dtype, device=param.device)
-    meta = AttentionMetadata.from_lens([n], [n], cache_rows=torch.tensor([0]))
-    rows = torch.arange(len(prompt) - 1, n)
-    logits = model(torch.tensor(ids, device=param.device), meta.positions.to(param.device), cache, meta,
-                   logits_indices=rows.to(param.device))
+    rows = torch.arange(len(prompt) - 1, n, device=param.device)
+    if kv_cache_dtype is not None:
+        from radarlab.kvcache.paged_cache import PagedKVCache
+        from radarlab.models.paged_runner import paged_prefill_logits
+
+        cache = PagedKVCache.for_model(cfg, cdiv(n, block_size), block_size, dtype=param.dtype, device=param.device,
+                                       kv_cache_dtype=kv_cache_dtype)
+        logits = paged_prefill_logits(model, cache, ids, logits_indices=rows)
+    else:
+        cache = ContiguousKVCache.for_model(cfg, 1, n, dtype=param.dtype, device=param.device)
+        meta = AttentionMetadata.from_lens([n], [n], cache_rows=torch.tensor([0]))
+        logits = model(torch.tensor(ids, device=param.device), meta.positions.to(param.device), cache, meta,
+                       logits_indices=rows)
     logp = torch.log_softmax(logits.float(), dim=-1)
     values, indices = logp.topk(k, dim=-1)
     return [dict(zip(i.tolist(), v.tolist())) for i, v in zip(indices, values)]

@@ -341,11 +341,12 @@ def run_paged_session(prompts: list[list[int]], prefix_batches: list[list[list[i
                         op_response["extension"])
 
 
-def compare_greedy_outputs(model, prompts, ours, theirs, k: int = 5):
-    """vLLM's rule per prompt, plus max |dlogprob| where the contexts still match."""
+def compare_greedy_outputs(model, prompts, ours, theirs, k: int = 5, kv_cache_dtype: str | None = None):
+    """vLLM's rule per prompt, plus max |dlogprob| where the contexts still match. Our logprobs come
+    through a paged cache of kv_cache_dtype when given (see topk_logprobs)."""
     results, worst = [], 0.0
     for prompt, mine, out in zip(prompts, ours, theirs, strict=True):
-        our_lp = topk_logprobs(model, prompt, mine, k)
+        our_lp = topk_logprobs(model, prompt, mine, k, kv_cache_dtype)
         r = compare_greedy(mine, our_lp, out["token_ids"], out["logprobs"], k=k, names=("ours", "vLLM"))
         results.append(r)
         worst = max(worst, max_logprob_diff(our_lp, out["logprobs"], r.matched))

@@ -45,7 +45,11 @@ Response: {"ok": true, "vllm_version", "device", "request": <the request with de
 "outputs": [{"token_ids": [...], "finish_reason", "logprobs": [{token_id: logprob}, ...] | null,
 "prompt_logprobs": [null | {token_id: logprob}, ...] | null, "num_cached_tokens": prompt tokens
 served from the prefix cache}, ...] (all batches, in order),
-"batches": [{"num_prompts", "generate_s", "metrics"}], "metrics": {...}, "init_s", "generate_s"}.
+"batches": [{"num_prompts", "generate_s", "metrics"}], "metrics": {...}, "init_s", "generate_s",
+"kv_cache": {"kv_cache_dtype", "block_size", "num_blocks", "num_layers", "bytes", "bytes_per_block",
+"tensors": [{"shape", "dtype"}] (one layer's), "isa", "cpu", "extension"} | null}: the cache vLLM
+allocated, read from the worker's own tensors (bytes_per_block counts every layer's K and V), and
+on the CPU build the attention kernel its layers run ("isa"); null where it cannot be read.
 Token ids in logprob dicts are JSON strings. Metrics are llm.get_metrics() flattened to
 name -> number (counters, gauges; summed over labels), list (vectors) or {"count","sum"} (histograms).
 
@@ -484,12 +488,50 @@ def _run_generate(req: dict) -> dict:
         "vllm_version": vllm.__version__,
         "device": current_platform.device_name if cuda else "cpu",
         "request": req,
+        "kv_cache": _kv_cache_info(llm, cuda),
         "outputs": outputs,
         "batches": batches,
         "metrics": batches[-1]["metrics"],
         "init_s": init_s,
         "generate_s": total,
     }
+
+
+def _kv_cache_tensors(worker) -> list:
+    """[(shape, dtype, nbytes)] of every KV cache tensor one worker allocated (one per layer)."""
+    return [(list(c.shape), str(c.dtype).removeprefix("torch."), int(c.nbytes))
+            for c in worker.model_runner.kv_caches]
+
+
+def _kv_cache_info(llm, cuda: bool) -> dict | None:
+    """The KV cache vLLM allocated: blocks, bytes, layout, and on the CPU the attention kernel (ISA)
+    its layers were given for this dtype and block size. None (with a note on stderr) where the
+    engine's internals cannot be reached, e.g. with the engine core in another process."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    try:
+        core = llm.llm_engine.engine_core
+        core = getattr(core, "engine_core", core)  # in-process client -> the engine core itself
+        tensors = core.model_executor.collective_rpc(_kv_cache_tensors)[0]
+    except Exception as exc:  # noqa: BLE001 - extra information, never fatal
+        print(f"[vllm_worker] could not read the KV cache tensors: {exc!r}", file=sys.stderr)
+        return None
+    info = {
+        "kv_cache_dtype": cache.cache_dtype,
+        "block_size": cache.block_size,
+        "num_blocks": cache.num_gpu_blocks,
+        "num_layers": len(tensors),
+        "bytes": sum(n for _, _, n in tensors),
+        "bytes_per_block": sum(n for _, _, n in tensors) // cache.num_gpu_blocks,
+        "tensors": [{"shape": shape, "dtype": dtype} for shape, dtype, _ in tensors[:1]],
+        "isa": None, "cpu": None, "extension": None,
+    }
+    if not cuda:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model = llm.llm_engine.vllm_config.model_config
+        info["isa"] = _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+        info["cpu"], info["extension"] = _cpu(), _loaded_extension()
+    return info
 
 
 _CASE_TENSORS = ("query", "key", "value", "slot_mapping", "block_table", "seq_lens", "query_start_loc")
