@@ -21,6 +21,7 @@ from radarlab.quant import fp8
 from radarlab.quant.formats import SCALE_DTYPES
 from radarlab.util import require_int
 
+FP16_MAX = 65504.0
 _TINY = {"fp16": 2.0**-24, "fp8": 2.0**-9}  # the smallest positive scale each dtype stores
 
 
@@ -58,7 +59,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def store_meta(x: torch.Tensor, scale_dtype: str, direction: str = "nearest") -> torch.Tensor:
     """Scales or zero points as stored: fp16, or FP8 E4M3 codes (uint8) rounded up / down / nearest."""
     if _check_scale_dtype(scale_dtype) == "fp16":
-        return x.to(torch.float16)
+        return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)  # saturate: an inf scale would decode to inf
     codes = fp8.encode(x, "e4m3", "rne")
     if direction == "nearest":
         return codes
@@ -66,8 +67,10 @@ def store_meta(x: torch.Tensor, scale_dtype: str, direction: str = "nearest") ->
     wrong = value < x if direction == "up" else value > x
     # One code step: codes are ordered by magnitude within a sign; +0 steps down to the smallest negative.
     neg, mag = codes >> 7, codes & 0x7F
-    away = wrong & ((neg == 1) | (mag == 0)) if direction == "down" else wrong & (neg == 0)
-    toward = wrong & ~away
+    # up: a positive value grows (away from zero), a negative one shrinks; down: the other way round
+    grows = (neg == 1) | (mag == 0) if direction == "down" else neg == 0
+    away = wrong & grows & (mag < 0x7E)  # the largest finite code saturates: one step further is NaN
+    toward = wrong & ~grows & (mag > 0)
     stepped = torch.where(away & (mag == 0), torch.full_like(codes, 0x81 if direction == "down" else 0x01),
                           torch.where(away, codes + 1, codes - 1))
     return torch.where(away | toward, stepped, codes)
