@@ -83,15 +83,13 @@ def load_meta(stored: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return fp8.decode(stored)
 
 
-def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
-    """x [..., n] -> (packed uint8 [..., n/2], scales [..., n/g], zeros [..., n/g] or None).
+def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+    """x [..., n] -> (codes uint8 0..15 [..., n], scales [..., n/g], zeros [..., n/g] or None), unpacked.
 
     Scales and zeros are stored as scale_dtype (fp16 tensors or E4M3 uint8 codes). A NaN in a group
     makes its scale NaN, so the group decodes to NaN: the bad value stays visible."""
     n = x.shape[-1]
     g = check_group(group_size, n)
-    if n % 2:
-        raise ValueError(f"the grouped axis must be even to pack two values per byte, got {n}")
     xg = x.float().reshape(*x.shape[:-1], n // g, g)
     tiny = _TINY[_check_scale_dtype(scale_dtype)]
     if symmetric:
@@ -107,14 +105,12 @@ def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dty
         s_stored = store_meta(((hi - z) / 15).clamp(min=tiny), scale_dtype, "up")
         s = load_meta(s_stored, scale_dtype)[..., None]
         q = torch.round((xg - z[..., None]) / s).clamp(0, 15)
-    q = torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(x.shape)
-    return pack(q), s_stored, z_stored
+    return torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(x.shape), s_stored, z_stored
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-               scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of quantize; symmetric when zeros is None."""
-    q = unpack(packed).float()
+def dequantize_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                     scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacked codes [..., n] back to values; symmetric when zeros is None."""
     n = q.shape[-1]
     g = check_group(group_size, n)
     if tuple(scales.shape) != (*q.shape[:-1], n // g):
@@ -122,10 +118,21 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
                          f"{tuple(scales.shape)}")
     if zeros is not None and zeros.shape != scales.shape:
         raise ValueError(f"zeros must have the scales' shape {tuple(scales.shape)}, got {tuple(zeros.shape)}")
-    qg = q.reshape(*q.shape[:-1], n // g, g)
+    qg = q.float().reshape(*q.shape[:-1], n // g, g)
     s = load_meta(scales, scale_dtype)[..., None]
-    if zeros is None:
-        x = (qg - 8) * s
-    else:
-        x = qg * s + load_meta(zeros, scale_dtype)[..., None]
+    x = (qg - 8) * s if zeros is None else qg * s + load_meta(zeros, scale_dtype)[..., None]
     return x.reshape(q.shape).to(dtype)
+
+
+def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+    """x [..., n] -> (packed uint8 [..., n/2], scales [..., n/g], zeros [..., n/g] or None)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"the grouped axis must be even to pack two values per byte, got {x.shape[-1]}")
+    q, scales, zeros = quantize_codes(x, group_size, symmetric, scale_dtype)
+    return pack(q), scales, zeros
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+               scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize; symmetric when zeros is None."""
+    return dequantize_codes(unpack(packed), scales, zeros, group_size, scale_dtype, dtype)
