@@ -153,6 +153,8 @@ def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | No
 
 def record_qkv(model, token_ids, block_size: int) -> RecordingCache:
     """Every layer's q, K, V for one sequence, from an fp32 cache."""
+    import torch
+
     from radarlab.models.paged_runner import paged_prefill_logits
 
     rec = RecordingCache(make_cache(model, Scheme(BASELINE, "fp32"), len(token_ids), block_size))
