@@ -14,7 +14,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import latency, quant, reservation, throughput
+    from radarlab.bench import kv_quant, latency, reservation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", reservation, "reserved vs live KV memory: contiguous vs paged cache"),
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
-        ("quant", quant, "KV formats: bytes, attention error, perplexity, concurrency at a fixed budget"),
+        ("quant", kv_quant, "KV formats: bytes, attention error, perplexity, concurrency at a fixed budget"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from radarlab.bench.quant import QUICK, QuantBenchConfig, Scheme, run
+from radarlab.bench.kv_quant import QUICK, QuantBenchConfig, Scheme, run
 
 SCHEMES = (Scheme("fp32", "fp32"), Scheme("16-bit", "float16"), Scheme("fp8 e4m3", "fp8_e4m3", "1.0"),
            Scheme("fp8 e4m3 per head", "fp8_e4m3", "head"),

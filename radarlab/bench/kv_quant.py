@@ -235,10 +235,10 @@ def concurrency_row(model, kv_cache_dtype: str, budget_bytes: int, prompts, conf
     dtype = next(model.parameters()).dtype
     per_block = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
                                              kv_cache_dtype, dtype)
-    num_blocks = budget_bytes // per_block
-    engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
+    engine = Engine(model, None, config.block_size, max_num_seqs=len(prompts),
                     max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=False,
-                    kv_cache_dtype=kv_cache_dtype)
+                    kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=budget_bytes)
+    num_blocks = engine.manager.num_blocks
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     for p in prompts:
         engine.add_request(p, params)
