@@ -4,7 +4,8 @@ A format says how one K or V value is stored and what it costs, every overhead c
 
 - vLLM's names: `auto` (the model's dtype), `float16`/`bfloat16` (also `fp16`/`bf16`), `fp8` (= `fp8_e4m3`),
   `fp8_e5m2`, and `fp8_per_token_head` (E4M3 with a dynamic scale per token and head, stored beside
-  the codes). `fp32` is ours: an unquantized float32 cache, what the course's fp32 runs use.
+  the codes in a block-shaped scale cache; vLLM's Triton backend keeps those scales in float32, we
+  keep them in fp16: 8.25 bits per value at head_dim 64 instead of 8.5). `fp32` is ours: an unquantized float32 cache, what the course's fp32 runs use.
 - ours: `int4` (group-wise along head_dim) and `kivi` (keys per channel in groups along tokens, values
   per token, an optional 16-bit residual window).
 
