@@ -199,3 +199,56 @@ def block_pool_stepper(script=None, num_blocks: int | None = None, block_size: i
                        enable_prefix_caching: bool = True) -> BlockPoolStepper:
     """Build the pool stepper (default: radarlab.viz.pool.DEFAULT_POOL_SCRIPT on 10 blocks of 4)."""
     return BlockPoolStepper(script, num_blocks, block_size, enable_prefix_caching)
+
+
+class FP8CodeWalker(widgets.VBox):
+    """Walks the 256 codes of an FP8 format: a code slider, back / next buttons and a format toggle;
+    the caption says what the bits mean, the picture shows the bits and the code on the number line
+    (radarlab.viz.fp8_codes does the work). Every code is drawn on a canvas of the same size."""
+
+    def __init__(self, code: int = 0x38, fmt: str = "e4m3") -> None:
+        from radarlab.viz.fp8_codes import FIGURE_DPI, FIGURE_SIZE, FORMAT_NAMES, code_info
+
+        code_info(code, fmt)  # ValueError for a bad code or format, before any control exists
+        self.format = widgets.ToggleButtons(options=[(name, key) for key, name in FORMAT_NAMES.items()], value=fmt,
+                                            description="format")
+        self.code = widgets.IntSlider(value=code, min=0, max=255, description="code",
+                                      layout=widgets.Layout(width="520px"))
+        self.back_button = widgets.Button(description="back", icon="step-backward")
+        self.next_button = widgets.Button(description="next", icon="step-forward")
+        self.back_button.on_click(lambda _: self._move(-1))
+        self.next_button.on_click(lambda _: self._move(1))
+        self.caption = widgets.HTML()
+        width = int(FIGURE_SIZE[0] * FIGURE_DPI)
+        self.image = widgets.Image(format="png", width=str(width),
+                                   layout=widgets.Layout(max_width="100%", height="auto"))
+        self.format.observe(self._update, names="value")
+        self.code.observe(self._update, names="value")
+        super().__init__([self.format, widgets.HBox([self.code, self.back_button, self.next_button]),
+                          self.caption, self.image])
+        self._update()
+
+    def _move(self, delta: int) -> None:
+        self.code.value = max(0, min(255, self.code.value + delta))
+
+    def _update(self, change=None) -> None:
+        from radarlab.viz.fp8_codes import caption, code_info
+
+        self.info = code_info(self.code.value, self.format.value)
+        self.caption.value = html.escape(caption(self.info))
+        self.back_button.disabled = self.code.value == 0
+        self.next_button.disabled = self.code.value == 255
+        self.image.value = self.render()
+
+    def render(self) -> bytes:
+        """The current code drawn as PNG bytes, always FIGURE_SIZE x FIGURE_DPI pixels (no tight box)."""
+        from radarlab.viz.fp8_codes import FIGURE_DPI, code_figure
+
+        buf = io.BytesIO()
+        code_figure(self.info).savefig(buf, format="png", dpi=FIGURE_DPI)
+        return buf.getvalue()
+
+
+def fp8_code_walker(code: int = 0x38, fmt: str = "e4m3") -> FP8CodeWalker:
+    """Build the code walker, starting at code (default 0x38, E4M3's 1.0) of fmt ("e4m3" or "e5m2")."""
+    return FP8CodeWalker(code, fmt)
