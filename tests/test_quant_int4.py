@@ -64,6 +64,17 @@ def test_nan_in_a_group_stays_visible():
     assert bool(back[1, 0, 5].isnan()) and not bool(back[0].isnan().any())
 
 
+@pytest.mark.parametrize("scale_dtype", ["fp16", "fp8"])
+def test_values_beyond_the_scale_range_saturate_and_never_become_inf(scale_dtype):
+    x = _x(2, 32)
+    x[0, 3] = 1e9  # amax / 7 is beyond fp16 (and E4M3): the scale saturates, the value is clipped
+    x[1, 5] = -1e9
+    for sym in (True, False):
+        back = int4.dequantize(*int4.quantize(x, 16, sym, scale_dtype), 16, scale_dtype)
+        assert bool(torch.isfinite(back).all())
+        assert float(back[0, 3]) > 0 and float(back[1, 5]) < 0
+
+
 def test_bad_groups_and_shapes_raise():
     with pytest.raises(ValueError, match=r"group_size \(48\) must divide the grouped axis \(64\)"):
         int4.quantize(_x(2, 64), 48)

@@ -33,6 +33,7 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.kvcache.kivi_store import KiviStore, tail_bytes
 from radarlab.quant.formats import KVFormat, kv_format
 from radarlab.quant.kv_codec import QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width
 from radarlab.quant.rotation import rotate, rotation_matrix
@@ -86,6 +87,7 @@ class PagedKVCache:
         kv_cache_dtype: str | KVFormat = "auto",
         k_scale=1.0,
         v_scale=1.0,
+        num_tail_groups: int | None = None,
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
@@ -101,11 +103,22 @@ class PagedKVCache:
         self.backend = backend
         self.dtype = dtype  # what attention returns; the pool itself stores fmt.storage_dtype
         lead = (num_layers, num_blocks, block_size, num_kv_heads)
-        self.k = torch.zeros(*lead, payload_width(fmt, head_dim), dtype=fmt.storage_dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        self.kivi = None
+        if fmt.kind == "kivi":  # its own layout: key scales per group of tokens, 16-bit tails (kivi_store.py)
+            if backend != "torch":
+                raise ValueError(f"{fmt.name} runs on the torch backend only (no Triton kernel reads KIVI blocks yet)")
+            self.kivi = KiviStore(fmt, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
+                                  num_tail_groups)
         s = scale_width(fmt, head_dim)
         self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
-        if s:
+        if self.kivi is not None:
+            self.k, self.v = self.kivi.k, self.kivi.v
+            self.k_scales, self.v_scales, self.k_zeros, self.v_zeros = (
+                self.kivi.k_scales, self.kivi.v_scales, self.kivi.k_zeros, self.kivi.v_zeros)
+        else:
+            self.k = torch.zeros(*lead, payload_width(fmt, head_dim), dtype=fmt.storage_dtype, device=device)
+            self.v = torch.zeros_like(self.k)
+        if s and self.kivi is None:
             self.k_scales = torch.ones(*lead, s, dtype=meta_dtype(fmt), device=device)
             self.v_scales = torch.ones_like(self.k_scales)
             if fmt.is_packed and not fmt.symmetric:
@@ -154,7 +167,9 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.block_tensors())
+        """Every byte the cache holds: blocks, their scales, and KIVI's 16-bit tails."""
+        tails = self.kivi.k_tail.nbytes + self.kivi.v_tail.nbytes if self.kivi is not None else 0
+        return sum(t.nbytes for t in self.block_tensors()) + tails
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -171,6 +186,8 @@ class PagedKVCache:
         """(K, V) of one layer as attention reads them: plain tensors, or QuantizedPool views."""
         if not self.kv_format.is_quantized:
             return self.k[layer], self.v[layer]
+        if self.kivi is not None:
+            return self.kivi.pools(layer)
         pick = (lambda t: None if t is None else t[layer])
         scale = (lambda t: 1.0 if t is None else t[layer])
         return (QuantizedPool(self.kv_format, self.k[layer], pick(self.k_scales), pick(self.k_zeros),
@@ -181,6 +198,9 @@ class PagedKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
         self._check_kv(layer, k, v)
+        if self.kivi is not None:
+            raise ValueError("a kivi cache is written by attend(): which groups a write quantizes depends on "
+                             "the step's block tables and sequence lengths")
         slot_mapping = slot_mapping.to(self.k.device)
         validate_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
         self._write(layer, k, v, slot_mapping)
@@ -193,7 +213,9 @@ class PagedKVCache:
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self.kv_format.is_quantized:
+        if self.kivi is not None:
+            self.kivi.write(layer, k, v)
+        elif self.kv_format.is_quantized:
             k_pool, v_pool = self.layer_pools(layer)
             if self.backend == "triton":
                 from radarlab.attention.triton_quant import triton_quant_reshape_and_cache
@@ -228,6 +250,8 @@ class PagedKVCache:
         dst = torch.tensor(dsts, device=self.k.device)
         for t in self.block_tensors():  # codes and the scales beside them move together
             t[:, dst] = t[:, src]
+        if self.kivi is not None:
+            self.kivi.copy_blocks(src, dst)
 
     @property
     def geometry(self) -> tuple:
@@ -271,6 +295,8 @@ class PagedKVCache:
         """Rotate q and k if the format says so, write (quantizing), attend dequantizing block by block."""
         if self.rotation is not None:
             q, k = rotate(q, self.rotation), rotate(k, self.rotation)
+        if self.kivi is not None and layer == 0:  # one plan per step: layers run 0 .. L-1 in order
+            self.kivi.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         self._write(layer, k, v, meta.slot_mapping)
         k_pool, v_pool = self.layer_pools(layer)
         if self.backend == "triton":
@@ -301,6 +327,9 @@ def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int,
     bytes give an FP8 pool twice the blocks of a 16-bit one. At least one block, or ValueError."""
     budget = require_int("budget_bytes", budget_bytes)
     per = PagedKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_cache_dtype, dtype)
+    fmt = kv_format(kv_cache_dtype)
+    if fmt.kind == "kivi":  # the 16-bit tails come out of the same budget
+        budget -= tail_bytes(fmt, num_layers, num_kv_heads, head_dim)
     if budget < per:
         raise ValueError(f"budget_bytes ({budget:,}) is below one block ({per:,} bytes in "
                          f"{kv_format(kv_cache_dtype).resolve(dtype).name})")

@@ -9,7 +9,12 @@ The cache stores x / scale as a code (uint8) and reads code -> value x scale. En
 - rounding "rne" (round to nearest, ties to the even code): what torch's .to(float8_*) and CUDA's
   conversion instructions do;
 - rounding "rtz" (round toward zero: drop the mantissa bits that do not fit): what vLLM's CPU
-  kernels do when they convert to FP8, so CPU caches sit up to one step closer to zero than CUDA's;
+  kernels do when they convert to FP8, so CPU caches sit up to one step closer to zero than CUDA's.
+  vLLM 0.32's CPU wheel ships its kernels compiled only, so this was checked on the op itself:
+  cpu_attn_reshape_and_cache with kv_cache_dtype fp8_e4m3 / fp8_e5m2 (scale 1, the "vec" kernel,
+  fp32 and bf16 inputs, 2,048 values up to |x| = 1,640) stores exactly the codes encode(x, rtz)
+  gives (compared as multisets: its block layout is internal); round-to-nearest-even differs in
+  35-47% of them. Beyond the range it saturates too (448 for E4M3), never inf or NaN;
 - beyond the largest finite value (inf included) saturates to it, with its sign: never inf;
 - NaN stays NaN (a NaN code), so a broken activation stays detectable.
 

@@ -21,6 +21,7 @@ from radarlab.quant import fp8
 from radarlab.quant.formats import SCALE_DTYPES
 from radarlab.util import require_int
 
+FP16_MAX = 65504.0
 _TINY = {"fp16": 2.0**-24, "fp8": 2.0**-9}  # the smallest positive scale each dtype stores
 
 
@@ -58,7 +59,7 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 def store_meta(x: torch.Tensor, scale_dtype: str, direction: str = "nearest") -> torch.Tensor:
     """Scales or zero points as stored: fp16, or FP8 E4M3 codes (uint8) rounded up / down / nearest."""
     if _check_scale_dtype(scale_dtype) == "fp16":
-        return x.to(torch.float16)
+        return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)  # saturate: an inf scale would decode to inf
     codes = fp8.encode(x, "e4m3", "rne")
     if direction == "nearest":
         return codes
@@ -66,8 +67,10 @@ def store_meta(x: torch.Tensor, scale_dtype: str, direction: str = "nearest") ->
     wrong = value < x if direction == "up" else value > x
     # One code step: codes are ordered by magnitude within a sign; +0 steps down to the smallest negative.
     neg, mag = codes >> 7, codes & 0x7F
-    away = wrong & ((neg == 1) | (mag == 0)) if direction == "down" else wrong & (neg == 0)
-    toward = wrong & ~away
+    # up: a positive value grows (away from zero), a negative one shrinks; down: the other way round
+    grows = (neg == 1) | (mag == 0) if direction == "down" else neg == 0
+    away = wrong & grows & (mag < 0x7E)  # the largest finite code saturates: one step further is NaN
+    toward = wrong & ~grows & (mag > 0)
     stepped = torch.where(away & (mag == 0), torch.full_like(codes, 0x81 if direction == "down" else 0x01),
                           torch.where(away, codes + 1, codes - 1))
     return torch.where(away | toward, stepped, codes)
@@ -80,15 +83,13 @@ def load_meta(stored: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return fp8.decode(stored)
 
 
-def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
-    """x [..., n] -> (packed uint8 [..., n/2], scales [..., n/g], zeros [..., n/g] or None).
+def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+    """x [..., n] -> (codes uint8 0..15 [..., n], scales [..., n/g], zeros [..., n/g] or None), unpacked.
 
     Scales and zeros are stored as scale_dtype (fp16 tensors or E4M3 uint8 codes). A NaN in a group
     makes its scale NaN, so the group decodes to NaN: the bad value stays visible."""
     n = x.shape[-1]
     g = check_group(group_size, n)
-    if n % 2:
-        raise ValueError(f"the grouped axis must be even to pack two values per byte, got {n}")
     xg = x.float().reshape(*x.shape[:-1], n // g, g)
     tiny = _TINY[_check_scale_dtype(scale_dtype)]
     if symmetric:
@@ -104,14 +105,12 @@ def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dty
         s_stored = store_meta(((hi - z) / 15).clamp(min=tiny), scale_dtype, "up")
         s = load_meta(s_stored, scale_dtype)[..., None]
         q = torch.round((xg - z[..., None]) / s).clamp(0, 15)
-    q = torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(x.shape)
-    return pack(q), s_stored, z_stored
+    return torch.nan_to_num(q, nan=0.0).to(torch.uint8).reshape(x.shape), s_stored, z_stored
 
 
-def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
-               scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of quantize; symmetric when zeros is None."""
-    q = unpack(packed).float()
+def dequantize_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+                     scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacked codes [..., n] back to values; symmetric when zeros is None."""
     n = q.shape[-1]
     g = check_group(group_size, n)
     if tuple(scales.shape) != (*q.shape[:-1], n // g):
@@ -119,10 +118,21 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor |
                          f"{tuple(scales.shape)}")
     if zeros is not None and zeros.shape != scales.shape:
         raise ValueError(f"zeros must have the scales' shape {tuple(scales.shape)}, got {tuple(zeros.shape)}")
-    qg = q.reshape(*q.shape[:-1], n // g, g)
+    qg = q.float().reshape(*q.shape[:-1], n // g, g)
     s = load_meta(scales, scale_dtype)[..., None]
-    if zeros is None:
-        x = (qg - 8) * s
-    else:
-        x = qg * s + load_meta(zeros, scale_dtype)[..., None]
+    x = (qg - 8) * s if zeros is None else qg * s + load_meta(zeros, scale_dtype)[..., None]
     return x.reshape(q.shape).to(dtype)
+
+
+def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+    """x [..., n] -> (packed uint8 [..., n/2], scales [..., n/g], zeros [..., n/g] or None)."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"the grouped axis must be even to pack two values per byte, got {x.shape[-1]}")
+    q, scales, zeros = quantize_codes(x, group_size, symmetric, scale_dtype)
+    return pack(q), scales, zeros
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group_size: int,
+               scale_dtype: str = "fp16", dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize; symmetric when zeros is None."""
+    return dequantize_codes(unpack(packed), scales, zeros, group_size, scale_dtype, dtype)

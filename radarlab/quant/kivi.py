@@ -29,21 +29,29 @@ def quantized_length(num_tokens: int, group_size: int, residual: int = 0) -> int
 
 
 def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16"):
-    """Keys [T, H, D], T a multiple of g -> (packed [T/g, H, D, g/2], scales [T/g, H, D, 1], zeros [T/g, H, D, 1]).
+    """Keys [T, H, D], T a multiple of g -> (packed [T, H, D/2], scales [T/g, H, D], zeros [T/g, H, D]).
 
-    Each (token group, head, channel) is one int4 group of g values along tokens."""
+    Each (token group, head, channel) is one asymmetric int4 group of g values along tokens. The codes
+    are packed along head_dim, like every other 4-bit format, so a token's key stays one row."""
     t, h, d = k.shape
     g = int4.check_group(group_size, t)
     per_channel = k.reshape(t // g, g, h, d).permute(0, 2, 3, 1)  # [T/g, H, D, g]
-    return int4.quantize(per_channel, g, symmetric=False, scale_dtype=scale_dtype)
+    q, scales, zeros = int4.quantize_codes(per_channel, g, symmetric=False, scale_dtype=scale_dtype)
+    return int4.pack(q.permute(0, 3, 1, 2).reshape(t, h, d)), scales[..., 0], zeros[..., 0]
 
 
 def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "fp16",
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of quantize_keys: [T, H, D]."""
-    x = int4.dequantize(packed, scales, zeros, group_size, scale_dtype, dtype)  # [T/g, H, D, g]
-    n, h, d, g = x.shape
-    return x.permute(0, 3, 1, 2).reshape(n * g, h, d)
+    """The inverse of quantize_keys: [T, H, D] (any leading axes before T's groups work the same)."""
+    q = int4.unpack(packed).float()  # [..., T, H, D]
+    *lead, t, h, d = q.shape
+    g = int4.check_group(group_size, t)
+    if tuple(scales.shape) != (*lead, t // g, h, d) or zeros.shape != scales.shape:
+        raise ValueError(f"key scales and zeros must be {(*lead, t // g, h, d)}, got {tuple(scales.shape)} and "
+                         f"{tuple(zeros.shape)}")
+    qg = q.reshape(*lead, t // g, g, h, d)
+    x = qg * int4.load_meta(scales, scale_dtype)[..., None, :, :] + int4.load_meta(zeros, scale_dtype)[..., None, :, :]
+    return x.reshape(q.shape).to(dtype)
 
 
 @dataclass
@@ -52,14 +60,14 @@ class KiviKV:
 
     group_size: int
     scale_dtype: str
-    keys: tuple  # quantize_keys' (packed, scales, zeros)
+    keys: tuple  # quantize_keys' (packed [n, H, D/2], scales [n/g, H, D], zeros)
     values: tuple  # int4.quantize's (packed, scales, zeros), values grouped per token along head_dim
     k_tail: torch.Tensor  # [tail, H, D] in 16-bit
     v_tail: torch.Tensor
 
     @property
     def num_quantized(self) -> int:
-        return self.keys[0].shape[0] * self.group_size
+        return self.keys[0].shape[0]
 
 
 def quantize(k: torch.Tensor, v: torch.Tensor, group_size: int = 32, residual: int = 0,

@@ -1,0 +1,263 @@
+"""KIVI in the paged cache: 4-bit keys per channel over groups of g tokens, 4-bit values per token, and
+the newest tokens in 16-bit, all reachable through the block table.
+
+Layout, per layer (g divides block_size; NG = block_size / g key groups per block):
+
+    k          uint8 [N, B, H, D/2]     key codes, packed along head_dim (a token's key is one row)
+    k_scales   [N, NG, H, D]            one scale and zero point per channel per group of g tokens
+    k_zeros    [N, NG, H, D]
+    v          uint8 [N, B, H, D/2]     value codes, asymmetric int4 in groups of g along head_dim
+    v_scales   [N, B, H, D/g], v_zeros  (as int4)
+    k_tail     float16 [T, g, H, D]     16-bit tails: a key group not yet quantized, and its values
+    v_tail     float16 [T, g, H, D]
+
+All but the tails are indexed by block id, so the block table finds codes and scales alike.
+
+The residual window lives in the tails. A group of g positions of a sequence is quantized once
+positions up to quantized_length(seq_len, g, residual) cover it (radarlab.quant.kivi): it is complete,
+and `residual` newer tokens follow it. Until then it sits in a tail: tail_of[block, group] names its
+tail (-1: quantized). So a sequence holds at most cdiv(residual, g) + 1 tails, whatever its length,
+and with residual 0 only its last, partial group is 16-bit.
+
+Each step's plan is made once, when layer 0 writes (the model writes layers 0 .. L-1 in order): which
+groups the step touches, which tail each reads from, which are quantized now and which keep (or get)
+a tail. Tails come from a free list; a group whose first position is written afresh reuses the tail a
+previous owner of the block left. When the list runs dry, a tail no sequence of this step touches is
+quantized early (its group as far as it is filled) and freed: it costs precision, never data.
+"""
+from __future__ import annotations
+
+import torch
+
+from radarlab.quant import int4, kivi
+from radarlab.quant.formats import KVFormat
+from radarlab.quant.kv_codec import meta_dtype
+from radarlab.util import cdiv
+
+
+DEFAULT_TAIL_SEQUENCES = 64  # tails for this many sequences' windows: the engine's default max_num_seqs
+
+
+def default_tail_groups(fmt: KVFormat) -> int:
+    """Tails for DEFAULT_TAIL_SEQUENCES sequences: each holds its window and one partial group."""
+    return DEFAULT_TAIL_SEQUENCES * (cdiv(fmt.residual, fmt.group_size) + 1)
+
+
+def tail_bytes(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_dim: int,
+               num_tail_groups: int | None = None) -> int:
+    """Bytes of the 16-bit tails, K and V, all layers: a fixed cost beside the blocks."""
+    n = default_tail_groups(fmt) if num_tail_groups is None else num_tail_groups
+    return num_layers * n * fmt.group_size * num_kv_heads * head_dim * 2 * 2
+
+
+class KiviStore:
+    """Every tensor and the tail bookkeeping of a KIVI-format PagedKVCache."""
+
+    def __init__(self, fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, device, num_tail_groups: int | None = None) -> None:
+        g = fmt.group_size
+        if block_size % g:
+            raise ValueError(f"kivi groups of {g} tokens must divide block_size ({block_size}): a key group "
+                             f"never straddles two blocks")
+        self.fmt, self.group, self.block_size = fmt, g, block_size
+        self.num_groups = block_size // g
+        L, N, B, H, D = num_layers, num_blocks, block_size, num_kv_heads, head_dim
+        md = meta_dtype(fmt)
+        self.k = torch.zeros(L, N, B, H, D // 2, dtype=torch.uint8, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.k_scales = torch.ones(L, N, self.num_groups, H, D, dtype=md, device=device)
+        self.k_zeros = torch.zeros_like(self.k_scales)
+        self.v_scales = torch.ones(L, N, B, H, D // g, dtype=md, device=device)
+        self.v_zeros = torch.zeros_like(self.v_scales)
+        if num_tail_groups is None:
+            num_tail_groups = default_tail_groups(fmt)
+        self.k_tail = torch.zeros(L, num_tail_groups, g, H, D, dtype=torch.float16, device=device)
+        self.v_tail = torch.zeros_like(self.k_tail)
+        self.tail_of = torch.full((N, self.num_groups), -1, dtype=torch.long)
+        self.tail_len = [0] * num_tail_groups
+        self.free = list(range(num_tail_groups - 1, -1, -1))
+        self.plan: dict | None = None
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.block_tensors()) + self.k_tail.nbytes + self.v_tail.nbytes
+
+    @property
+    def num_free_tails(self) -> int:
+        return len(self.free)
+
+    # --- the plan of a step ---------------------------------------------------------------------
+    def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc) -> None:
+        """Decide, once per step, what every touched group reads, and where it goes."""
+        g, B, R = self.group, self.block_size, self.fmt.residual
+        tables = block_tables.tolist()
+        bounds = query_start_loc.tolist()
+        items: dict[tuple[int, int], list] = {}  # (block, group) -> [src, keep, valid]
+        for b, seq_len in enumerate(seq_lens.tolist()):
+            first_new = seq_len - (bounds[b + 1] - bounds[b])
+            done_before = kivi.quantized_length(first_new, g, R)
+            quantized = kivi.quantized_length(seq_len, g, R)
+            for j in range(done_before // g, cdiv(seq_len, g)):
+                start = j * g
+                block, gib = tables[b][start // B], (start % B) // g
+                old = start < first_new  # the group holds tokens of earlier steps
+                tail = int(self.tail_of[block, gib])
+                keep = start + g > quantized
+                new = start + g > first_new
+                if not new and (keep or tail < 0):
+                    continue  # unchanged: still in its tail, or already quantized
+                src = tail if old and tail >= 0 else (-2 if old else -1)  # -2: decode from the codes
+                items[(block, gib)] = [src, keep, min(g, seq_len - start)]
+        for (block, gib), item in items.items():  # tails: release, reuse, allocate
+            src, keep, _ = item
+            stale = int(self.tail_of[block, gib])
+            if keep:
+                dst = stale if stale >= 0 else self._allocate(items)
+                item.append(dst)
+                self.tail_of[block, gib] = dst
+                self.tail_len[dst] = item[2]
+            else:
+                item.append(-1)
+                if stale >= 0:
+                    self.free.append(stale)
+                    self.tail_of[block, gib] = -1
+        keys = list(items)
+        index = {key: i for i, key in enumerate(keys)}
+        slots = slot_mapping.tolist()
+        rows = [(i, index[(s // B, (s % B) // g)], s % g) for i, s in enumerate(slots) if s >= 0]
+        t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.k.device)
+        self.plan = dict(
+            blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
+            src=t([items[k][0] for k in keys]), dst=t([items[k][3] for k in keys]),
+            valid=t([items[k][2] for k in keys]),
+            token=t([r[0] for r in rows]), item=t([r[1] for r in rows]), offset=t([r[2] for r in rows]),
+        )
+
+    def _allocate(self, busy: dict) -> int:
+        if not self.free:
+            self._evict(busy)
+        return self.free.pop()
+
+    def _evict(self, busy: dict) -> None:
+        """Quantize, in every layer, the first tail whose group this step does not touch, and free it."""
+        for block, gib in (self.tail_of >= 0).nonzero().tolist():
+            if (block, gib) in busy:
+                continue
+            tail = int(self.tail_of[block, gib])
+            t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.k.device)
+            for layer in range(self.k.shape[0]):
+                k, v = self.k_tail[layer, tail][None].float(), self.v_tail[layer, tail][None].float()
+                self._quantize_groups(layer, k, v, t([block]), t([gib]), t([self.tail_len[tail]]))
+            self.tail_of[block, gib] = -1
+            self.free.append(tail)
+            return
+        raise RuntimeError(f"kivi: all {self.k_tail.shape[1]} tails are in use by this step's groups; build the "
+                           f"cache with more num_tail_groups")
+
+    # --- writes ---------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's k, v [T, H, D] (rows in slot_mapping's order) into their groups, by the plan."""
+        p = self.plan
+        if p is None:
+            raise RuntimeError("kivi: write before begin_step (layer 0 plans each step)")
+        n, (H, D) = p["blocks"].numel(), k.shape[1:]
+        if n == 0:
+            return
+        ks = torch.zeros(n, self.group, H, D, device=k.device)
+        vs = torch.zeros_like(ks)
+        from_tail, from_codes = p["src"] >= 0, p["src"] == -2
+        if bool(from_tail.any()):
+            ks[from_tail] = self.k_tail[layer, p["src"][from_tail]].float()
+            vs[from_tail] = self.v_tail[layer, p["src"][from_tail]].float()
+        if bool(from_codes.any()):
+            old_k, old_v = self._decode_groups(layer, p["blocks"][from_codes], p["groups"][from_codes])
+            ks[from_codes], vs[from_codes] = old_k, old_v
+        ks[p["item"], p["offset"]] = k[p["token"]].float()
+        vs[p["item"], p["offset"]] = v[p["token"]].float()
+        keep = p["dst"] >= 0
+        if bool(keep.any()):
+            self.k_tail[layer, p["dst"][keep]] = ks[keep].half()
+            self.v_tail[layer, p["dst"][keep]] = vs[keep].half()
+        if bool((~keep).any()):
+            self._quantize_groups(layer, ks[~keep], vs[~keep], p["blocks"][~keep], p["groups"][~keep],
+                                  p["valid"][~keep])
+
+    def _rows(self, blocks, groups) -> torch.Tensor:
+        """Slots [n, g] of each group's positions."""
+        return (blocks * self.block_size + groups * self.group)[:, None] + torch.arange(self.group, device=blocks.device)
+
+    def _quantize_groups(self, layer, ks, vs, blocks, groups, valid) -> None:
+        """Groups [n, g, H, D] to codes; rows past `valid` repeat row 0 (min and max unchanged)."""
+        g, (n, _, H, D) = self.group, ks.shape
+        fill = torch.arange(g, device=ks.device)[None, :] < valid[:, None]
+        pick = torch.where(fill, torch.arange(g, device=ks.device)[None, :], 0)
+        ks = torch.gather(ks, 1, pick[:, :, None, None].expand_as(ks))
+        vs = torch.gather(vs, 1, pick[:, :, None, None].expand_as(vs))
+        packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype)
+        slots = self._rows(blocks, groups).reshape(-1)
+        self.k[layer].view(-1, H, D // 2)[slots] = packed
+        self.k_scales[layer][blocks, groups] = scales
+        self.k_zeros[layer][blocks, groups] = zeros
+        packed, scales, zeros = int4.quantize(vs.reshape(n * g, H, D), g, False, self.fmt.scale_dtype)
+        self.v[layer].view(-1, H, D // 2)[slots] = packed
+        self.v_scales[layer].view(-1, H, D // g)[slots] = scales
+        self.v_zeros[layer].view(-1, H, D // g)[slots] = zeros
+
+    def _decode_groups(self, layer, blocks, groups):
+        slots = self._rows(blocks, groups).reshape(-1)
+        H, D = self.k.shape[3], self.k.shape[4] * 2
+        k = kivi.dequantize_keys(self.k[layer].view(-1, H, D // 2)[slots], self.k_scales[layer][blocks, groups],
+                                 self.k_zeros[layer][blocks, groups], self.group, self.fmt.scale_dtype)
+        v = int4.dequantize(self.v[layer].view(-1, H, D // 2)[slots], self.v_scales[layer].view(-1, H, D // self.group)[slots],
+                            self.v_zeros[layer].view(-1, H, D // self.group)[slots], self.group, self.fmt.scale_dtype)
+        return k.view(-1, self.group, H, D), v.view(-1, self.group, H, D)
+
+    def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write of codes and scales (by the caller, with every block tensor) plus the tails."""
+        for s, d in zip(src.tolist(), dst.tolist()):
+            for gib in range(self.num_groups):
+                old = int(self.tail_of[d, gib])
+                if old >= 0:
+                    self.free.append(old)
+                    self.tail_of[d, gib] = -1
+                tail = int(self.tail_of[s, gib])
+                if tail >= 0:
+                    new = self._allocate({})
+                    self.k_tail[:, new] = self.k_tail[:, tail]
+                    self.v_tail[:, new] = self.v_tail[:, tail]
+                    self.tail_len[new] = self.tail_len[tail]
+                    self.tail_of[d, gib] = new
+
+    def pools(self, layer: int) -> tuple["KiviPool", "KiviPool"]:
+        return KiviPool(self, layer, keys=True), KiviPool(self, layer, keys=False)
+
+
+class KiviPool:
+    """One layer's K or V of a KiviStore, read as [num_blocks, block_size, H, D]: pool[blocks] decodes
+    only those blocks, then lays the 16-bit tails over the groups that have one."""
+
+    def __init__(self, store: KiviStore, layer: int, keys: bool) -> None:
+        self.store, self.layer, self.keys = store, layer, keys
+        payload = store.k[layer] if keys else store.v[layer]
+        self.shape = torch.Size((*payload.shape[:3], payload.shape[3] * 2))
+        self.device = payload.device
+        self.dtype = torch.float32
+
+    def dim(self) -> int:
+        return 4
+
+    def __getitem__(self, blocks) -> torch.Tensor:
+        s, L, g = self.store, self.layer, self.store.group
+        if self.keys:
+            x = kivi.dequantize_keys(s.k[L][blocks], s.k_scales[L][blocks], s.k_zeros[L][blocks], g, s.fmt.scale_dtype)
+            tail = s.k_tail[L]
+        else:
+            x = int4.dequantize(s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks], g, s.fmt.scale_dtype)
+            tail = s.v_tail[L]
+        which = s.tail_of.to(x.device)[blocks]  # [..., NG]
+        tails = tail[which.clamp(min=0)].float().flatten(-4, -3)  # [..., B, H, D]
+        has = (which >= 0).repeat_interleave(g, dim=-1)[..., None, None]
+        return torch.where(has, tails, x)

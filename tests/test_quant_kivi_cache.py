@@ -1,0 +1,115 @@
+"""KIVI in the paged cache: groups quantized as the window passes them, 16-bit tails in between, tails
+bounded per sequence, copy-on-write of tails, early quantization when tails run out."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radarlab.attention.metadata import AttentionMetadata
+from radarlab.attention.reference import attention_reference
+from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.quant import kivi
+from radarlab.util import cdiv
+
+H, D, BLOCK = 2, 16, 8
+
+
+def _x(*shape, seed):
+    # values fp16 can hold exactly: the tails store 16 bits, so the reference quantizes the same numbers
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).half().float()
+
+
+def _meta(news, totals, tables):
+    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, n, total in zip(tables, news, totals)
+             for p in range(total - n, total)]
+    width = max(len(t) for t in tables)
+    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
+    return AttentionMetadata.from_lens(news, totals, slot_mapping=torch.tensor(slots), block_tables=bt)
+
+
+def _expected(q, k, v, group, residual):
+    kd, vd = kivi.dequantize(kivi.quantize(k, v, group, residual))
+    return attention_reference(q, kd, vd, 0.25)
+
+
+@pytest.mark.parametrize("group, residual", [(4, 0), (4, 8), (8, 6)])
+def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual):
+    name = f"kivi_g{group}" + (f"_r{residual}" if residual else "")
+    cache = PagedKVCache(1, 8, H, D, block_size=BLOCK, kv_cache_dtype=name)
+    T = 30
+    q, k, v = _x(T, 4, D, seed=1), _x(T, H, D, seed=2) * 3, _x(T, H, D, seed=3)
+    k[:, :, 2] += 20  # an outlier channel
+    k = k.half().float()
+    table = [6, 1, 3, 0]
+    start = 9
+    out = cache.attend(0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), 0.25)
+    assert torch.allclose(out, _expected(q[:start], k[:start], v[:start], group, residual), atol=1e-4)
+    for n in range(start + 1, T + 1):
+        out = cache.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
+        assert torch.allclose(out, _expected(q[:n], k[:n], v[:n], group, residual)[-1:], atol=1e-4), n
+        in_tails = int((cache.kivi.tail_of >= 0).sum())
+        assert in_tails == cdiv(n - kivi.quantized_length(n, group, residual), group)  # only the window
+    plain = attention_reference(q, k, v, 0.25)[-1:]
+    assert float((out - plain).abs().max()) > 1e-3  # and the quantized groups did change the output
+
+
+def test_two_sequences_copy_on_write_and_bytes():
+    cache = PagedKVCache(2, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4_r4")
+    k, v, q = _x(11, H, D, seed=4), _x(11, H, D, seed=5), _x(11, 4, D, seed=6)
+    for layer in range(2):
+        cache.attend(layer, q[:6], k[:6], v[:6], _meta([6], [6], [[2]]), 0.25)
+    cache.copy_blocks([(2, 4)])  # a fork: block 4 is block 2's copy, tails included
+    assert int((cache.kivi.tail_of[4] >= 0).sum()) == int((cache.kivi.tail_of[2] >= 0).sum()) > 0
+    assert set(cache.kivi.tail_of[4].tolist()).isdisjoint(set(cache.kivi.tail_of[2].tolist()) - {-1})
+    ka, va = torch.cat((k[:6], k[6:7])), torch.cat((v[:6], v[6:7]))
+    kb, vb = torch.cat((k[:6], k[7:8])), torch.cat((v[:6], v[7:8]))
+    meta = _meta([1, 1], [7, 7], [[2], [4]])
+    for layer in range(2):
+        out = cache.attend(layer, q[6:8], torch.cat((k[6:7], k[7:8])), torch.cat((v[6:7], v[7:8])), meta, 0.25)
+    assert torch.allclose(out[:1], _expected(torch.cat((q[:6], q[6:7])), ka, va, 4, 4)[-1:], atol=1e-4)
+    assert torch.allclose(out[1:], _expected(torch.cat((q[:6], q[7:8])), kb, vb, 4, 4)[-1:], atol=1e-4)
+    blocks_only = cache.nbytes - cache.kivi.k_tail.nbytes - cache.kivi.v_tail.nbytes
+    assert blocks_only == 6 * PagedKVCache.bytes_per_block(2, H, D, BLOCK, "kivi_g4_r4")
+
+
+def test_tails_run_out_then_an_untouched_group_is_quantized_early():
+    cache = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", num_tail_groups=1)
+    k, v, q = _x(6, H, D, seed=7), _x(6, H, D, seed=8), _x(6, 4, D, seed=9)
+    cache.attend(0, q[:3], k[:3], v[:3], _meta([3], [3], [[1]]), 0.25)  # partial group: the only tail
+    assert cache.kivi.num_free_tails == 0
+    cache.attend(0, q[3:6], k[3:6], v[3:6], _meta([3], [3], [[5]]), 0.25)  # another sequence needs one
+    assert int(cache.kivi.tail_of[1, 0]) == -1 and int(cache.kivi.tail_of[5, 0]) >= 0
+    # sequence 1's three tokens were quantized on their own, not lost: within a 4-bit step of the truth
+    k_pool, _ = cache.layer_pools(0)
+    early = k_pool[torch.tensor([1])][0, :3]
+    assert float((early - k[:3]).abs().max()) < float((k[:3].amax(0) - k[:3].amin(0)).max()) / 15
+    # and a later token of sequence 1 joins the group: decoded, merged, quantized again once full
+    out = cache.attend(0, q[:1], k[:1], v[:1], _meta([1], [4], [[1]]), 0.25)
+    assert bool(torch.isfinite(out).all())
+
+
+def test_bad_kivi_settings():
+    with pytest.raises(ValueError, match=r"kivi groups of 16 tokens must divide block_size \(8\)"):
+        PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g16")
+    with pytest.raises(ValueError, match="torch backend only"):
+        PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g4", backend="triton")
+    cache = PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g4")
+    with pytest.raises(ValueError, match="written by attend"):
+        cache.write(0, _x(1, H, D, seed=0), _x(1, H, D, seed=0), torch.tensor([0]))
+
+
+def test_greedy_and_engine_run_kivi():
+    from radarlab.engine.llm_engine import Engine
+    from radarlab.engine.params import SamplingParams
+    from radarlab.models.llama import Llama, LlamaConfig
+    from radarlab.models.paged_runner import paged_greedy_generate
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    model = Llama(cfg).eval()
+    out = paged_greedy_generate(model, [list(range(1, 12)), [3, 4]], 6, block_size=4, kv_cache_dtype="kivi_g4_r4")
+    assert [len(o) for o in out] == [6, 6]
+    engine = Engine(model, 30, block_size=4, kv_cache_dtype="kivi_g4_r4")
+    outs = engine.generate([list(range(1, 12)), [3, 4], [5, 6, 7]], SamplingParams(max_tokens=5))
+    assert [len(o.output_token_ids) for o in outs] == [5, 5, 5]
