@@ -1116,6 +1116,18 @@ def check_quantize_group(quantize_group) -> bool:
     return verdict(name, None)
 
 
+def reference_int4_bytes_per_token(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes) -> int:
+    """The exercise's answer from the calculator (radarlab.kvcache.memory, reading the table of formats)."""
+    from radarlab.kvcache.memory import kv_bytes_per_token
+    from radarlab.quant.formats import SCALE_BYTES
+
+    scale_dtype = {b: name for name, b in SCALE_BYTES.items()}.get(scale_bytes)
+    if scale_dtype is None:
+        raise ValueError(f"scale_bytes must be one of {sorted(SCALE_BYTES.values())} (fp8 or fp16), got {scale_bytes!r}")
+    name = f"int4_g{group_size}_{'sym' if symmetric else 'asym'}" + ("_fp8scales" if scale_dtype == "fp8" else "")
+    return kv_bytes_per_token(layers, kv_heads, head_dim, name)
+
+
 def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
     """Check a learner's int4_bytes_per_token(layers, kv_heads, head_dim, group_size, symmetric,
     scale_bytes) against the calculator (radarlab.kvcache.memory, reading radarlab.quant.formats): K and
@@ -1123,7 +1135,7 @@ def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
     point of scale_bytes bytes each."""
     import math
 
-    from radarlab.kvcache.memory import kv_footprint, kv_values_per_token
+    from radarlab.kvcache.memory import kv_values_per_token
 
     name = "int4_bytes_per_token"
     cases = [  # (description, layers, kv_heads, head_dim, group, symmetric, scale_bytes)
@@ -1135,8 +1147,7 @@ def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
         ("the course model, group 16, symmetric, fp16", 30, 3, 64, 16, True, 2),
     ]
     for description, layers, heads, d, g, sym, sb in cases:
-        fmt = f"int4_g{g}_{'sym' if sym else 'asym'}" + ("_fp8scales" if sb == 1 else "")
-        want = kv_footprint(layers, heads, d, 1, fmt).bytes_per_token
+        want = reference_int4_bytes_per_token(layers, heads, d, g, sym, sb)
         got, problem = call_learner(lambda: int4_bytes_per_token(layers, heads, d, g, sym, sb), description)
         if problem:
             return verdict(name, problem)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from radarlab.checks import (check_int4_bytes_per_token, check_pack_nibbles, check_quantize_group,
-                             reference_quantize_group)
+                             reference_int4_bytes_per_token, reference_quantize_group)
 
 
 def _stub(*args):
@@ -150,9 +150,17 @@ def _fp16_always(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes)
     return bytes_reference(layers, kv_heads, head_dim, group_size, symmetric, 2)
 
 
-def test_bytes_reference_passes(capsys):
-    assert check_int4_bytes_per_token(bytes_reference) is True
+@pytest.mark.parametrize("fn", [bytes_reference, reference_int4_bytes_per_token])
+def test_bytes_references_pass(capsys, fn):
+    assert check_int4_bytes_per_token(fn) is True
     assert capsys.readouterr().out == "PASS int4_bytes_per_token\n"
+
+
+def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
+    # 80 x 8 x 128 x 2 values a token: 81,920 bytes of codes, plus 1,280 groups x (2 + 2) bytes
+    assert reference_int4_bytes_per_token(80, 8, 128, 128, False, 2) == 81920 + 1280 * 4
+    with pytest.raises(ValueError, match="scale_bytes"):
+        reference_int4_bytes_per_token(80, 8, 128, 128, False, 4)
 
 
 @pytest.mark.parametrize("fn, words", [
