@@ -64,6 +64,20 @@ def test_triton_cache_backend_matches_torch_backend():
     assert torch.allclose(outs[0], outs[1], atol=2e-5)
 
 
+def test_vllm_form_of_triton_reshape_and_cache():
+    """Raw uint8 pools with vLLM's kv_cache_dtype / k_scale / v_scale: the same bytes as the torch op."""
+    from radarlab.attention.triton_paged import triton_reshape_and_cache
+
+    pools = [torch.zeros(3, BLOCK, H, D, dtype=torch.uint8) for _ in range(4)]
+    k, v = _x(5, H, D, seed=9) * 50, _x(5, H, D, seed=10)
+    slots = torch.tensor([0, 1, -1, 8, 9])
+    triton_reshape_and_cache(k, v, pools[0], pools[1], slots, kv_cache_dtype="fp8_e5m2", k_scale=2.0, v_scale=0.25)
+    reshape_and_cache(k, v, pools[2], pools[3], slots, "fp8_e5m2", k_scale=2.0, v_scale=0.25)
+    assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and pools[0].any()
+    with pytest.raises(ValueError, match="fp8 scale is per tensor"):
+        triton_reshape_and_cache(k, v, pools[0], pools[1], slots, kv_cache_dtype="fp8", k_scale=torch.ones(3))
+
+
 def test_kernels_refuse_plain_pools():
     cache = PagedKVCache(1, 2, H, D, block_size=BLOCK)
     with pytest.raises(ValueError, match="take QuantizedPool pools"):

@@ -70,8 +70,21 @@ def _reshape_and_cache_kernel(
 
 
 def triton_reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, tokens_per_program: int = 16,
-                             check: bool = True) -> None:
-    """Write k, v [T, kv_heads, D] into the pools at slot_mapping [T] (-1 = skip), in place."""
+                             check: bool = True, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0) -> None:
+    """Write k, v [T, kv_heads, D] into the pools at slot_mapping [T] (-1 = skip), in place.
+
+    kv_cache_dtype, k_scale and v_scale as in vLLM's op: an fp8 cache (uint8 pools) stores
+    encode(k / k_scale), written by triton_quant's quantizing kernel."""
+    from radarlab.quant.formats import kv_format
+
+    fmt = kv_format(kv_cache_dtype)
+    if fmt.is_quantized:
+        from radarlab.attention.triton_quant import triton_quant_reshape_and_cache
+        from radarlab.quant.kv_codec import QuantizedPool
+
+        pools = (QuantizedPool(fmt, k_cache, scale=k_scale, head_dim=k.shape[-1]),
+                 QuantizedPool(fmt, v_cache, scale=v_scale, head_dim=v.shape[-1]))
+        return triton_quant_reshape_and_cache(k, v, *pools, slot_mapping, check=check)
     validate_pool(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):

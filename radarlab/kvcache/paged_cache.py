@@ -103,27 +103,25 @@ class PagedKVCache:
         self.backend = backend
         self.dtype = dtype  # what attention returns; the pool itself stores fmt.storage_dtype
         lead = (num_layers, num_blocks, block_size, num_kv_heads)
-        self.kivi = None
         if fmt.kind == "kivi":  # its own layout: key scales per group of tokens, 16-bit tails (kivi_store.py)
             if backend != "torch":
                 raise ValueError(f"{fmt.name} runs on the torch backend only (no Triton kernel reads KIVI blocks yet)")
             self.kivi = KiviStore(fmt, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
                                   num_tail_groups)
-        s = scale_width(fmt, head_dim)
-        self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
-        if self.kivi is not None:
             self.k, self.v = self.kivi.k, self.kivi.v
-            self.k_scales, self.v_scales, self.k_zeros, self.v_zeros = (
-                self.kivi.k_scales, self.kivi.v_scales, self.kivi.k_zeros, self.kivi.v_zeros)
+            self.k_scales, self.v_scales = self.kivi.k_scales, self.kivi.v_scales
+            self.k_zeros, self.v_zeros = self.kivi.k_zeros, self.kivi.v_zeros
         else:
+            self.kivi = None
             self.k = torch.zeros(*lead, payload_width(fmt, head_dim), dtype=fmt.storage_dtype, device=device)
             self.v = torch.zeros_like(self.k)
-        if s and self.kivi is None:
-            self.k_scales = torch.ones(*lead, s, dtype=meta_dtype(fmt), device=device)
-            self.v_scales = torch.ones_like(self.k_scales)
-            if fmt.is_packed and not fmt.symmetric:
-                self.k_zeros = torch.zeros_like(self.k_scales)
-                self.v_zeros = torch.zeros_like(self.k_scales)
+            self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
+            if scale_width(fmt, head_dim):  # fp8_per_token_head, int4: scales beside the codes
+                self.k_scales = torch.ones(*lead, scale_width(fmt, head_dim), dtype=meta_dtype(fmt), device=device)
+                self.v_scales = torch.ones_like(self.k_scales)
+                if not fmt.symmetric and fmt.is_packed:
+                    self.k_zeros = torch.zeros_like(self.k_scales)
+                    self.v_zeros = torch.zeros_like(self.k_scales)
         self.k_scale = self.v_scale = None
         if fmt.kind == "fp8" and fmt.scale_rule == "tensor":
             self.set_kv_scales(k_scale, v_scale)
