@@ -1,0 +1,174 @@
+"""The checkers of notebook 07: a reference passes, a stub and plausible mistakes get a plain counterexample."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from radarlab.checks import (check_int4_bytes_per_token, check_pack_nibbles, check_quantize_group,
+                             reference_int4_bytes_per_token, reference_quantize_group)
+
+
+def _stub(*args):
+    raise NotImplementedError()
+
+
+def _fails(capsys, checker, fn, name, words):
+    assert checker(fn) is False
+    out = capsys.readouterr().out
+    assert out.startswith(f"FAIL {name}: "), out
+    assert words in out, out
+
+
+# --- pack_nibbles --------------------------------------------------------------------------------
+
+def pack_reference(codes):
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def _high_first(codes):  # element 2i in the high nibble
+    return (codes[..., 0::2] << 4) | codes[..., 1::2]
+
+
+def _added(codes):  # adds the two codes instead of shifting one
+    return codes[..., 0::2] + codes[..., 1::2]
+
+
+def _int64(codes):
+    return pack_reference(codes).long()
+
+
+def _flattens(codes):  # packs the whole tensor as one row
+    return pack_reference(codes.reshape(-1))
+
+
+def test_pack_reference_passes(capsys):
+    assert check_pack_nibbles(pack_reference) is True
+    assert capsys.readouterr().out == "PASS pack_nibbles\n"
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_stub, "not written yet"),
+    (_high_first, "low nibble"),
+    (_added, "expected 33"),
+    (_int64, "dtype torch.int64"),
+    (_flattens, "shape (768,)"),
+])
+def test_pack_mistakes_are_described(capsys, fn, words):
+    _fails(capsys, check_pack_nibbles, fn, "pack_nibbles", words)
+
+
+# --- quantize_group ------------------------------------------------------------------------------
+
+def quantize_group_float32(x, group_size):
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=1e-8)
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(x.shape), scale, lo
+
+
+def _sixteen_steps(x, group_size):  # 16 levels taken as 16 steps: the maximum clamps a whole step away
+    codes, scale, lo = quantize_group_float32(x, group_size)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    s = scale * 15 / 16
+    codes = torch.round((g - lo[..., None]) / s[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(x.shape), s, lo
+
+
+def _symmetric(x, group_size):  # the symmetric rule where the asymmetric one is asked for
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    scale = (g.abs().amax(-1) / 7).clamp(min=1e-8)
+    codes = (torch.round(g / scale[..., None]).clamp(-8, 7) + 8).to(torch.uint8)
+    return codes.reshape(x.shape), scale, -8 * scale
+
+
+def _truncates(x, group_size):  # floor instead of round: up to a whole step off
+    codes, scale, lo = quantize_group_float32(x, group_size)
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    codes = torch.floor((g - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return codes.reshape(x.shape), scale, lo
+
+
+def _one_scale_per_row(x, group_size):  # ignores the group size
+    return quantize_group_float32(x, x.shape[-1])
+
+
+def _divides_by_zero(x, group_size):  # a constant group gives scale 0 and NaN codes
+    g = x.reshape(*x.shape[:-1], x.shape[-1] // group_size, group_size)
+    lo, hi = g.amin(-1), g.amax(-1)
+    scale = (hi - lo) / 15
+    codes = torch.round((g - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(x.shape), scale, lo + torch.where(hi > lo, 0.0, float("nan"))
+
+
+@pytest.mark.parametrize("fn", [reference_quantize_group, quantize_group_float32])
+def test_quantize_group_references_pass(capsys, fn):
+    assert check_quantize_group(fn) is True
+    assert capsys.readouterr().out == "PASS quantize_group\n"
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_stub, "not written yet"),
+    (_sixteen_steps, "15 steps"),
+    (_symmetric, "zero point"),
+    (_truncates, "more than half a step"),
+    (_one_scale_per_row, "one per group"),
+    (_divides_by_zero, "not finite"),
+])
+def test_quantize_group_mistakes_are_described(capsys, fn, words):
+    _fails(capsys, check_quantize_group, fn, "quantize_group", words)
+
+
+def test_reference_quantize_group_round_trips_within_half_a_step():
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    codes, scales, zeros = reference_quantize_group(x, 32)
+    back = (codes.float().reshape(3, 2, 32) * scales[..., None] + zeros[..., None]).reshape(3, 64)
+    assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
+    assert bool(((back - x).abs() <= scales.repeat_interleave(32, -1) / 2 + 1e-6).all())
+
+
+# --- int4_bytes_per_token ------------------------------------------------------------------------
+
+def bytes_reference(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes):
+    values = 2 * layers * kv_heads * head_dim
+    return values // 2 + values // group_size * scale_bytes * (1 if symmetric else 2)
+
+
+def _codes_only(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes):
+    return 2 * layers * kv_heads * head_dim // 2
+
+
+def _keys_only(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes):
+    return bytes_reference(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes) // 2
+
+
+def _no_zero_points(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes):
+    return bytes_reference(layers, kv_heads, head_dim, group_size, True, scale_bytes)
+
+
+def _fp16_always(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes):
+    return bytes_reference(layers, kv_heads, head_dim, group_size, symmetric, 2)
+
+
+@pytest.mark.parametrize("fn", [bytes_reference, reference_int4_bytes_per_token])
+def test_bytes_references_pass(capsys, fn):
+    assert check_int4_bytes_per_token(fn) is True
+    assert capsys.readouterr().out == "PASS int4_bytes_per_token\n"
+
+
+def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
+    # 80 x 8 x 128 x 2 values a token: 81,920 bytes of codes, plus 1,280 groups x (2 + 2) bytes
+    assert reference_int4_bytes_per_token(80, 8, 128, 128, False, 2) == 81920 + 1280 * 4
+    with pytest.raises(ValueError, match="scale_bytes"):
+        reference_int4_bytes_per_token(80, 8, 128, 128, False, 4)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_stub, "not written yet"),
+    (_codes_only, "the 4-bit codes alone"),
+    (_keys_only, "both K and V"),
+    (_no_zero_points, "zero point beside its scale"),
+    (_fp16_always, "fp8 scales"),
+])
+def test_bytes_mistakes_are_described(capsys, fn, words):
+    _fails(capsys, check_int4_bytes_per_token, fn, "int4_bytes_per_token", words)
