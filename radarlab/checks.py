@@ -1150,6 +1150,8 @@ def check_per_token_head_scale(per_token_head_scale) -> bool:
             hint = f" (scale = max |x| over head_dim / {top:g})"
         return verdict(name, f"for {description}, the scale of token {i[0]}, head {i[1]} was {float(g[i]):.6g}, "
                              f"expected {float(want[i]):.6g}{hint}")
+
+
 # === notebook 07: INT4 KV cache ========================================================================
 # pack_nibbles, quantize_group (asymmetric, group-wise) and int4_bytes_per_token.
 
