@@ -12,12 +12,17 @@ temperature, top-k and top-p, through radarlab.engine.sampler.probabilities) wit
 the proposer's own per request, seeded from the request's seed, so runs are reproducible.
 
 When the draft's pool is full, a request gets fewer drafts (or none) instead of waiting.
+
+truncated_copy makes the simplest draft: the target's own first layers (an early exit), sharing
+its weights. It is cheap to build and useful for tests; a trained draft does far better.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Hashable, Sequence as SequenceType
 
 import torch
+from torch import nn
 
 from radarlab.engine.sampler import probabilities
 from radarlab.kvcache.block_table import BlockSpaceManager
@@ -29,6 +34,19 @@ from radarlab.spec.proposer import Proposal
 from radarlab.util import require_int
 
 _DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # keeps the draft's random stream apart from the request's own
+
+
+def truncated_copy(model, num_layers: int):
+    """A draft made of the model's first num_layers decoder layers, then its final norm and LM head
+    (an early exit). Shares the model's weights: nothing is copied."""
+    num_layers = require_int("num_layers", num_layers, 1, model.config.num_layers)
+    config = dataclasses.replace(model.config, num_layers=num_layers)
+    with torch.device("meta"):
+        draft = type(model)(config)
+    draft.embed_tokens, draft.norm, draft.lm_head = model.embed_tokens, model.norm, model.lm_head
+    draft.layers = nn.ModuleList(model.layers[:num_layers])
+    draft.inv_freq = model.inv_freq
+    return draft.eval()
 
 
 class DraftModelProposer:
