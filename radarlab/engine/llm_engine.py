@@ -6,7 +6,7 @@ requests whose prompt (or recompute) is complete, and finishes those that hit a 
 It plays vLLM's LLMEngine / EngineCore (vllm/v1/engine/); generate and stream are the LLM.generate
 and streaming entry points.
 
-With speculative_config (radarlab.spec.config: vLLM's keys), each step first asks the proposer for
+With speculative_config (radarlab.spec.speculative_config: vLLM's keys), each step first asks the proposer for
 drafts for the decoding requests and appends them to their tokens; the step's forward pass then
 verifies them (logits at the last token and at every draft), radarlab.spec.rejection decides how
 many are accepted, and the scheduler rolls back the rest. spec_stats counts drafts and acceptances.
@@ -27,7 +27,7 @@ from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
-from radarlab.spec.config import make_proposer
+from radarlab.spec.speculative_config import make_proposer
 from radarlab.spec.metrics import SpecDecodingStats
 from radarlab.spec.rejection import rejection_sample
 from radarlab.util import require_int
