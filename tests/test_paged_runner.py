@@ -192,3 +192,36 @@ def test_course_model_with_shared_prefix_equals_contiguous(model, prompts):
     assert manager.prefix_cache_stats.hits == 12
     assert paged_greedy_generate(model, batch[:2], 5, manager=manager, cache=cache) == want[:2]
     assert manager.prefix_cache_stats.hits == 12 + 2 * 16  # 17 tokens each: 4 full blocks before the last token
+
+
+def test_num_logits_returns_every_verified_position(tiny):
+    """A verify step asks for the logits after each of a sequence's last m tokens: they equal the
+    rows a full prefill computes at those positions, sequence by sequence."""
+    prompts = [list(range(3, 14)), [9, 8, 7, 6, 5, 4]]
+    manager = BlockSpaceManager(16, 4)
+    cache = PagedKVCache.for_model(tiny.config, 16, 4)
+    seqs = [Sequence(i, p, 4) for i, p in enumerate(prompts)]
+    for s in seqs:
+        manager.allocate(s)
+    rows = paged_step(tiny, cache, manager, seqs, [0, 0], [11, 6], num_logits=[4, 1])
+    assert rows.shape == (5, tiny.config.vocab_size)
+    for s in seqs:
+        manager.free(s)
+    full = _all_position_logits(tiny, prompts)
+    torch.testing.assert_close(rows[:4], full[0][-4:])
+    torch.testing.assert_close(rows[4:], full[1][-1:])
+    manager.allocate(seqs[0])
+    with pytest.raises(ValueError, match="num_logits"):
+        paged_step(tiny, cache, manager, seqs[:1], [0], [11], num_logits=[12])
+
+
+def _all_position_logits(model, prompts):
+    """Logits at every position of each prompt, one prompt per paged step (all rows requested)."""
+    out = []
+    for i, p in enumerate(prompts):
+        manager = BlockSpaceManager(16, 4)
+        cache = PagedKVCache.for_model(model.config, 16, 4)
+        s = Sequence(i, p, 4)
+        manager.allocate(s)
+        out.append(paged_step(model, cache, manager, [s], [0], [len(p)], num_logits=[len(p)]))
+    return out

@@ -260,3 +260,51 @@ def test_watermark_does_not_apply_to_a_lone_request():
 def test_watermark_must_be_a_fraction(bad):
     with pytest.raises(ValueError, match="watermark"):
         make(watermark=bad)
+
+
+def add_drafts(request, drafts):
+    """What the engine does before scheduling a decoding request: drafts go at the tail of its tokens."""
+    request.spec_token_ids = list(drafts)
+    request.append_token_ids(drafts)
+
+
+def test_drafts_count_in_the_budget_and_get_slots_and_those_past_it_are_dropped():
+    manager, sched = make(max_num_batched_tokens=4)
+    a = req("a", 4)
+    sched.add_request(a)
+    run_step(sched)  # prefill: a now holds 5 tokens, 4 computed
+    add_drafts(a, [7, 8, 9, 10, 11])  # 1 + 5 tokens to compute, budget 4: two drafts go
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [4] and out.num_spec_tokens == [3]
+    assert a.spec_token_ids == [7, 8, 9] and a.num_tokens == 8
+    assert manager.num_slots(a) == 8 and len(manager.get_block_table(a)) == 2  # the drafts' slots, reserved
+    sched.update(out)
+    free = manager.num_free_blocks
+    sched.rollback(a, 3)  # all three rejected: the block that held only drafts comes back
+    assert a.num_tokens == a.num_computed_tokens == 5 and a.spec_token_ids == []
+    assert manager.num_slots(a) == 5 and manager.num_free_blocks == free
+
+
+def test_drafts_of_preempted_and_unscheduled_requests_are_rolled_back():
+    manager, sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = req("a", 7), req("b", 7, start=20)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # both prefilled: 8 tokens each, 2 blocks each, pool full
+    add_drafts(a, [1, 2])
+    add_drafts(b, [3, 4])
+    out = sched.schedule()  # a's drafts need a third block: b, the newest, is preempted
+    assert out.preempted == [b] and b.spec_token_ids == [] and b.num_tokens == 8
+    assert out.requests == [a] and out.num_spec_tokens == [2]
+    sched.update(out)
+    sched.rollback(a, 2)
+    _, sched2 = make(max_num_batched_tokens=2)
+    c, d = req("c", 1), req("d", 1, start=9)
+    sched2.add_request(c)
+    sched2.add_request(d)
+    run_step(sched2)  # both prefilled, now decoding
+    add_drafts(c, [5])
+    add_drafts(d, [6])
+    out = sched2.schedule()  # c's token and draft use the whole budget: d waits, without its draft
+    assert out.requests == [c] and out.num_spec_tokens == [1]
+    assert d.spec_token_ids == [] and d.num_tokens == 2

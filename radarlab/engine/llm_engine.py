@@ -5,6 +5,11 @@ compute, copies copy-on-write blocks, runs radarlab.models.paged_runner.paged_st
 requests whose prompt (or recompute) is complete, and finishes those that hit a stop condition.
 It plays vLLM's LLMEngine / EngineCore (vllm/v1/engine/); generate and stream are the LLM.generate
 and streaming entry points.
+
+With speculative_config (radarlab.spec.speculative_config: vLLM's keys), each step first asks the proposer for
+drafts for the decoding requests and appends them to their tokens; the step's forward pass then
+verifies them (logits at the last token and at every draft), radarlab.spec.rejection decides how
+many are accepted, and the scheduler rolls back the rest. spec_stats counts drafts and acceptances.
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
+from radarlab.spec.speculative_config import make_proposer
+from radarlab.spec.metrics import SpecDecodingStats
+from radarlab.spec.rejection import rejection_sample
 from radarlab.util import require_int
 
 
@@ -47,9 +55,11 @@ class Engine:
     def __init__(self, model, num_blocks: int | None, block_size: int = 16, max_num_seqs: int = 64,
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, backend: str = "torch",
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
-                 kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None) -> None:
+                 kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
+                 speculative_config: dict | None = None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
-        that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks)."""
+        that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
+        speculative_config takes vLLM's keys (radarlab.spec.speculative_config)."""
         cfg = model.config
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -70,6 +80,9 @@ class Engine:
         self._ids = itertools.count()
         self.num_steps = 0
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step ran (timelines, tests)
+        self.proposer = None if speculative_config is None else make_proposer(
+            speculative_config, model, num_blocks, block_size, max_model_len, backend)
+        self.spec_stats = None if self.proposer is None else SpecDecodingStats(self.proposer.num_speculative_tokens)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -94,6 +107,9 @@ class Engine:
     def abort(self, request_id: Hashable) -> bool:
         """Stop a request (all its samples, if n > 1) and free its blocks. False if nothing was running."""
         samples = [request_id] + [(request_id, i) for i in range(1, self._num_samples(request_id))]
+        if self.proposer is not None:
+            for s in samples:
+                self.proposer.free(s)
         return any([self.scheduler.abort(s) is not None for s in samples])
 
     def _num_samples(self, request_id: Hashable) -> int:
@@ -111,36 +127,106 @@ class Engine:
 
     # --- one step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one forward pass, sample. Returns an output for every request that got a
-        token or finished this step (errors included)."""
+        """Schedule, run one forward pass, sample (or verify drafts). Returns an output for every
+        request that got tokens or finished this step (errors included)."""
+        self._propose()
         sched = self.scheduler.schedule()
         self.last_scheduled = sched
         outputs = [self._output(r, []) for r in sched.errored]
         if not sched.requests:
             return outputs
         self.cache.copy_blocks(sched.copy_pairs)
+        num_logits = [1 + k for k in sched.num_spec_tokens]  # a verify step needs a row per draft too
         logits = paged_step(self.model, self.cache, self.manager, sched.requests, sched.num_computed_tokens,
-                            sched.num_scheduled_tokens)
+                            sched.num_scheduled_tokens, num_logits if any(sched.num_spec_tokens) else None)
         self.scheduler.update(sched)
         self.num_steps += 1
+        if self.spec_stats is not None:
+            self.spec_stats.num_forwards += 1
+        ends = list(itertools.accumulate(num_logits))  # one past each request's last logits row
         rows = [b for b, r in enumerate(sched.requests)  # prompt (or recompute) complete: sample
                 if r.num_computed_tokens == r.num_tokens]
         if not rows:
             return outputs
-        done = [sched.requests[b] for b in rows]
-        picked = logits if len(rows) == logits.shape[0] else logits[rows]  # decode steps: no copy
-        tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
+        plain = [b for b in rows if not sched.num_spec_tokens[b]]
+        emitted = {}  # b -> (tokens this step, how many of them are already in the sequence)
+        if plain:
+            done = [sched.requests[b] for b in plain]
+            last = [ends[b] - 1 for b in plain]
+            picked = logits if last == list(range(logits.shape[0])) else logits[last]  # decode steps: no copy
+            tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
+            emitted.update((b, ([t], 0)) for b, t in zip(plain, tokens))
+        for b in rows:
+            if sched.num_spec_tokens[b]:
+                emitted[b] = self._verify(sched.requests[b], logits[ends[b] - num_logits[b]:ends[b]])
         forked = []
-        for row, request in zip(rows, done):
+        for b in plain:
+            request = sched.requests[b]
             if request.params.n > 1 and not request.forked:
-                forked += self._fork(request, logits[row])
-        for request, token in [*zip(done, tokens), *forked]:
-            request.append_token_ids([token])
-            status = self._stop_status(request, token)
-            if status is not None:
-                self.scheduler.finish(request, status)
-            outputs.append(self._output(request, [token]))
+                forked += self._fork(request, logits[ends[b] - 1])
+        for b in rows:
+            outputs.append(self._commit(sched.requests[b], *emitted[b]))
+        for child, token in forked:
+            outputs.append(self._commit(child, [token], 0))
         return outputs
+
+    def _propose(self) -> None:
+        """Append drafts to every decoding request (all tokens but the last computed). A request gets
+        at most as many as leave room for the target's own token within max_tokens and max_model_len."""
+        if self.proposer is None:
+            return
+        ready, limits = [], []
+        for r in self.scheduler.running:
+            if r.num_computed_tokens == r.num_tokens - 1:
+                k = min(self.proposer.num_speculative_tokens, r.params.max_tokens - r.num_output_tokens - 1,
+                        self.max_model_len - r.num_tokens - 1)
+                if k > 0:
+                    ready.append(r)
+                    limits.append(k)
+        if not ready:
+            return
+        for request, k, proposal in zip(ready, limits, self.proposer.propose(ready, limits)):
+            drafts = proposal.draft_token_ids[:k]
+            bad = [t for t in drafts if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise ValueError(f"the proposer drafted token ids {bad} for request {request.request_id!r}, outside "
+                                 f"the target's vocabulary (0..{self.model.config.vocab_size - 1})")
+            if drafts:
+                request.spec_token_ids = drafts
+                request.spec_probs = None if proposal.draft_probs is None else proposal.draft_probs[:len(drafts)]
+                request.append_token_ids(drafts)
+
+    def _verify(self, request: Request, logits: torch.Tensor) -> tuple[list[int], int]:
+        """Rejection-sample the request's drafts against logits [k+1, V]; roll back the rejected ones.
+        Returns the emitted tokens and how many of them (the accepted drafts) are already in the sequence."""
+        k = len(request.spec_token_ids)
+        tokens = rejection_sample(logits, request.spec_token_ids, request.params, request.spec_probs,
+                                  request.generator)
+        accepted = len(tokens) - 1
+        self.scheduler.rollback(request, k - accepted)
+        request.spec_token_ids, request.spec_probs = [], None
+        self.spec_stats.observe_draft(k, accepted)
+        return tokens, accepted
+
+    def _commit(self, request: Request, tokens: list[int], num_in_sequence: int) -> RequestOutput:
+        """Emit this step's tokens (the first num_in_sequence already in the sequence) up to the first
+        stop condition; anything after it is dropped, and the request finishes there."""
+        start = request.num_tokens - num_in_sequence
+        keep, status = len(tokens), None
+        for i, token in enumerate(tokens):
+            status = self._stop_status(request, token, start + i + 1)
+            if status is not None:
+                keep = i + 1
+                break
+        self.scheduler.rollback(request, num_in_sequence - keep)
+        request.append_token_ids(tokens[num_in_sequence:keep])
+        if self.spec_stats is not None:
+            self.spec_stats.num_output_tokens += keep
+        if status is not None:
+            self.scheduler.finish(request, status)
+            if self.proposer is not None:
+                self.proposer.free(request.request_id)
+        return self._output(request, tokens[:keep])
 
     def _fork(self, parent: Request, logits: torch.Tensor) -> list[tuple[Request, int]]:
         """Parallel sampling: the prompt is computed; make samples 1..n-1 share its blocks (copy on
@@ -159,11 +245,12 @@ class Engine:
                         [c.generator for c in children])
         return list(zip(children, tokens))
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def _stop_status(self, request: Request, token: int, num_tokens: int) -> RequestStatus | None:
+        """Does the request stop at `token`, which makes its length num_tokens?"""
         p = request.params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= p.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_tokens - request.num_prompt_tokens >= p.max_tokens or num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -46,6 +46,10 @@ class Request(Sequence):
         self.num_preemptions = 0
         self.arrival_index = arrival_index
         self.error: str | None = None
+        # Speculative decoding: drafts appended at the tail of the tokens for this step's verification,
+        # and the distributions they were drawn from (None: one-hot, e.g. n-gram). Empty between steps.
+        self.spec_token_ids: list[int] = []
+        self.spec_probs: torch.Tensor | None = None
         self.generator = torch.Generator()
         if params.seed is not None:
             self.generator.manual_seed(params.seed)

@@ -1,5 +1,9 @@
 """Turn one logits row per request into one token: greedy, temperature, top-k, top-p.
 
+`probabilities` is the one place where temperature, top-k and top-p turn logits into a
+distribution: sampling uses it, and speculative verification (radarlab.spec.rejection) uses it for
+both the target's p and the draft's q, so the two are always truncated the same way.
+
 Each row is sampled on its own with its request's generator, so a seeded request draws the same
 random numbers alone or in any batch (vLLM keeps per-request generators for seeded requests too).
 """
@@ -29,6 +33,17 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """float32 probabilities [..., V] of logits [..., V] under params' temperature, top-k and top-p
+    (every row the same way). Greedy (temperature 0) is one-hot on the argmax."""
+    logits = logits.detach().float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    rows = logits.reshape(-1, logits.shape[-1]) / params.temperature
+    rows = torch.stack([apply_top_k_top_p(row, params.top_k, params.top_p) for row in rows])
+    return rows.softmax(-1).reshape(logits.shape)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> list[int]:
     """One token per row of logits [B, V]; row b uses params[b] and generators[b]."""
@@ -42,7 +57,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
         if p.greedy:
             out.append(greedy[b])
             continue
-        row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=gen)))
+        out.append(int(torch.multinomial(probabilities(row, p), 1, generator=gen)))
     return out

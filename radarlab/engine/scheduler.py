@@ -8,6 +8,11 @@ allocate_slots); when a running request needs a block and none is free, the newe
 is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (prompt + outputs so far) later.
 
+Speculative decoding (radarlab.spec): a decoding request may carry drafts at the tail of its tokens.
+They are scheduled with its last token, so they count in the token budget and get slots like any
+token (vLLM's lookahead slots); drafts that do not fit the budget, or belong to a request that is
+preempted or not scheduled, are rolled back before the step runs.
+
 Requests that can never run end with FINISHED_ERROR instead of waiting forever: a prompt longer
 than max_model_len, or prompt + outputs needing more blocks than the whole pool.
 """
@@ -33,6 +38,7 @@ class SchedulerOutput:
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     errored: list[Request] = field(default_factory=list)
+    num_spec_tokens: list[int] = field(default_factory=list)  # drafts among each request's scheduled tokens
 
     @property
     def total_tokens(self) -> int:
@@ -109,12 +115,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             computed = request.num_computed_tokens
-            n = min(request.num_tokens - computed, budget)  # 1 for a decode, a chunk for a prefill
+            # drafts that do not fit the budget are dropped (they are guesses: nothing is lost)
+            self.rollback(request, min(len(request.spec_token_ids), request.num_tokens - computed - budget))
+            n = min(request.num_tokens - computed, budget)  # 1 for a decode, a chunk for a prefill, 1 + drafts
             if not self._append_or_preempt(request, computed + n - self.manager.num_slots(request), out):
                 break  # the request preempted itself: nothing after it is running
             self._schedule(out, request, computed, n)
             budget -= n
             i += 1
+        for request in self.running[i:]:  # not scheduled this step: their drafts go
+            self.rollback(request, len(request.spec_token_ids))
 
         # After a preemption admit nothing (the pool is short) unless nothing runs: then the pool is
         # all free, and the head either fits or can never fit (an error), so the step makes progress.
@@ -158,6 +168,21 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.insert(self.running.index(parent) + child.index, child)
 
+    def rollback(self, request: Request, num_tokens: int) -> None:
+        """Drop the request's last num_tokens tokens (drafts that did not fit, were rejected, or came
+        after a stop token) and their slots; blocks left empty are freed. Lookahead slots, in vLLM's
+        terms: the drafts' slots are reserved like any token's and given back here."""
+        if num_tokens <= 0:
+            return
+        if request in self.manager:
+            self.manager.rollback(request, num_tokens)
+        else:
+            request.truncate(request.num_tokens - num_tokens)
+        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+        keep = max(0, len(request.spec_token_ids) - num_tokens)
+        request.spec_token_ids = request.spec_token_ids[:keep]
+        request.spec_probs = request.spec_probs[:keep] if request.spec_probs is not None and keep else None
+
     def update(self, out: SchedulerOutput) -> None:
         """After the forward pass: the scheduled tokens now have K/V in the pool."""
         for request, n in zip(out.requests, out.num_scheduled_tokens):
@@ -169,6 +194,7 @@ class Scheduler:
         out.requests.append(request)
         out.num_computed_tokens.append(computed)
         out.num_scheduled_tokens.append(n)
+        out.num_spec_tokens.append(len(request.spec_token_ids))
 
     def _append_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
         """Reserve slots for the request's next num_new_slots tokens, preempting the newest running
@@ -184,6 +210,7 @@ class Scheduler:
                     return False
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.rollback(request, len(request.spec_token_ids))
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

@@ -12,7 +12,9 @@ A scheduled request's work is one of
   sample forked from a parent (n > 1) shares the parent's prefill: it is recorded as a prefill of
   0 tokens in the step that forked it, with its first token;
 - "recompute": a chunk of prompt + outputs again, after a preemption freed its blocks;
-- "decode": the one newest output token.
+- "decode": the one newest output token;
+- "verify": the newest output token and the drafts after it (speculative decoding); the step may
+  emit several tokens.
 """
 from __future__ import annotations
 
@@ -20,19 +22,25 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
-PREFILL, RECOMPUTE, DECODE = "prefill", "recompute", "decode"
+PREFILL, RECOMPUTE, DECODE, VERIFY = "prefill", "recompute", "decode", "verify"
 WAITING, DONE = "waiting", "done"
-STATES = (WAITING, PREFILL, RECOMPUTE, DECODE, DONE)
+STATES = (WAITING, PREFILL, RECOMPUTE, DECODE, VERIFY, DONE)
 
 
 @dataclass(frozen=True)
 class ScheduledWork:
     """One request's share of a step: tokens num_computed_tokens .. num_computed_tokens + num_tokens - 1."""
     request_id: Hashable
-    kind: str  # PREFILL, RECOMPUTE or DECODE
+    kind: str  # PREFILL, RECOMPUTE, DECODE or VERIFY
     num_computed_tokens: int
     num_tokens: int
-    token: int | None  # the token the step sampled for it; None while its prompt (or recompute) is incomplete
+    token: int | None  # the (last) token the step emitted for it; None while its prompt (or recompute) is incomplete
+    new_token_ids: tuple[int, ...] = ()  # every token the step emitted (several after a verify); () means (token,)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The tokens this step emitted for the request."""
+        return self.new_token_ids or (() if self.token is None else (self.token,))
 
     @property
     def sampled(self) -> bool:
@@ -64,7 +72,9 @@ class StepRecord:
         return None
 
 
-def _kind(request, num_computed: int, num_tokens: int) -> str:
+def _kind(request, num_computed: int, num_tokens: int, num_spec_tokens: int = 0) -> str:
+    if num_spec_tokens:
+        return VERIFY
     if num_computed >= len(request.prompt_token_ids) and num_tokens == 1 and num_computed > 0:
         return DECODE
     return RECOMPUTE if request.num_preemptions > 0 else PREFILL
@@ -78,11 +88,13 @@ def record_step(engine, step: int) -> tuple[list, StepRecord]:
     sched = engine.last_scheduled
     if sched is None:
         raise RuntimeError("engine.last_scheduled is None after a step: this Engine does not record its steps")
-    sampled = {o.request_id: o.new_token_ids[-1] for o in outputs if o.new_token_ids}
+    sampled = {o.request_id: tuple(o.new_token_ids) for o in outputs if o.new_token_ids}
     finished = tuple(o.request_id for o in outputs if o.finished)
+    spec = sched.num_spec_tokens or [0] * len(sched.requests)
     scheduled = tuple(
-        ScheduledWork(r.request_id, _kind(r, done, n), done, n, sampled.get(r.request_id))
-        for r, done, n in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens))
+        ScheduledWork(r.request_id, _kind(r, done, n, k), done, n, new[-1] if new else None, new)
+        for r, done, n, k in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens, spec)
+        for new in [sampled.get(r.request_id, ())])
     ran = {w.request_id for w in scheduled}
     scheduled += tuple(  # parallel sampling (n > 1): samples forked from a parent whose prompt just finished
         ScheduledWork(o.request_id, PREFILL, 0, 0, o.new_token_ids[-1]) for o in outputs
@@ -137,23 +149,24 @@ def max_running(records: Sequence[StepRecord]) -> int:
 
 
 def _per_sampled_token(records: Sequence[StepRecord], value) -> dict[Hashable, list]:
-    """For each request, value(record, work) of every step in which it sampled a token, in order."""
+    """For each request, value(record, work, token) of every token it got, in order (a verify step
+    gives several tokens in one step)."""
     out: dict[Hashable, list] = {}
     for rec in records:
         for w in rec.scheduled:
-            if w.sampled:
-                out.setdefault(w.request_id, []).append(value(rec, w))
+            for token in w.tokens:
+                out.setdefault(w.request_id, []).append(value(rec, w, token))
     return out
 
 
 def token_steps(records: Sequence[StepRecord]) -> dict[Hashable, list[int]]:
-    """For each request, the steps at which it got a new token, in order."""
-    return _per_sampled_token(records, lambda rec, w: rec.step)
+    """For each request, the step at which it got each new token, in order."""
+    return _per_sampled_token(records, lambda rec, w, token: rec.step)
 
 
 def output_token_ids(records: Sequence[StepRecord]) -> dict[Hashable, list[int]]:
     """For each request, the tokens it generated during the records, in order."""
-    return _per_sampled_token(records, lambda rec, w: w.token)
+    return _per_sampled_token(records, lambda rec, w, token: token)
 
 
 def token_times(records: Sequence[StepRecord]) -> dict[Hashable, list[float]]:
@@ -164,8 +177,8 @@ def token_times(records: Sequence[StepRecord]) -> dict[Hashable, list[float]]:
     for rec in records:
         clock += rec.seconds
         for w in rec.scheduled:
-            if w.sampled:
-                out.setdefault(w.request_id, []).append(clock)
+            if w.tokens:
+                out.setdefault(w.request_id, []).extend([clock] * len(w.tokens))
     return out
 
 

@@ -56,11 +56,15 @@ def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num
 
 @torch.inference_mode()
 def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: SequenceType[Sequence],
-               num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None
-               ) -> torch.Tensor:
+               num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None,
+               num_logits: SequenceType[int] | None = None) -> torch.Tensor:
     """One packed forward pass; returns logits [len(seqs), vocab] after each sequence's last
     scheduled token. num_scheduled_tokens defaults to every token with a slot not yet computed (a
-    whole prefill, or the one new token of a decode step). Token ids come from the sequences."""
+    whole prefill, or the one new token of a decode step). Token ids come from the sequences.
+
+    num_logits[b] > 1 returns the logits after each of sequence b's last num_logits[b] scheduled
+    tokens instead (a speculative verify step: the last accepted token and its drafts), all rows of
+    sequence 0 first: [sum(num_logits), vocab]."""
     if num_scheduled_tokens is None:
         num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
     device = cache.k.device
@@ -68,7 +72,23 @@ def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: Seq
     ids = [t for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens)
            for t in s.all_token_ids[done:done + n]]
     last = meta.query_start_loc[1:] - 1
+    if num_logits is not None:
+        last = _last_rows(last, num_logits, num_scheduled_tokens)
     return model(torch.tensor(ids, device=device), meta.positions, cache, meta, logits_indices=last)
+
+
+def _last_rows(last: torch.Tensor, num_logits: SequenceType[int], num_scheduled_tokens: SequenceType[int]
+               ) -> torch.Tensor:
+    """Packed row indices of each sequence's last num_logits[b] tokens, given the index of its last one."""
+    if len(num_logits) != len(num_scheduled_tokens):
+        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(num_scheduled_tokens)} sequences")
+    for b, (m, n) in enumerate(zip(num_logits, num_scheduled_tokens)):
+        if not 1 <= m <= n:
+            raise ValueError(f"sequence {b}: num_logits must be in 1..{n} (its scheduled tokens), got {m}")
+    counts = torch.tensor(list(num_logits), device=last.device)
+    ends = torch.repeat_interleave(last, counts)
+    offsets = torch.cat([torch.arange(m - 1, -1, -1, device=last.device) for m in num_logits])
+    return ends - offsets
 
 
 def blocks_needed(prompts: SequenceType[SequenceType[int]], max_new_tokens: int, block_size: int) -> int:

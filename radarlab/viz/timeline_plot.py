@@ -3,12 +3,12 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from radarlab.engine.timeline import DECODE, DONE, PREFILL, RECOMPUTE, STATES, WAITING, StepRecord, state_grid
+from radarlab.engine.timeline import DECODE, DONE, PREFILL, RECOMPUTE, STATES, VERIFY, WAITING, StepRecord, state_grid
 
 STATE_COLORS = {WAITING: "#d9d9d9", PREFILL: "tab:orange", RECOMPUTE: "tab:red", DECODE: "tab:blue",
-                DONE: "white"}
+                VERIFY: "tab:green", DONE: "white"}
 STATE_LABELS = {WAITING: "waiting", PREFILL: "prefill (chunk)", RECOMPUTE: "recompute after preemption",
-                DECODE: "decode (1 token)", DONE: "done"}
+                DECODE: "decode (1 token)", VERIFY: "verify (1 token + drafts)", DONE: "done"}
 
 
 def draw_timeline(ax, records: Sequence[StepRecord], request_ids: Sequence[Hashable], *, labels=None,

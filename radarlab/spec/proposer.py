@@ -1,0 +1,58 @@
+"""What a proposer is: anything that guesses the next tokens of running requests.
+
+The engine calls a proposer once per step, before scheduling, for the requests that are decoding
+(every token but the last has K/V in the target's cache):
+
+    proposals = proposer.propose(requests, num_tokens)   # one Proposal per request
+    proposer.free(request_id)                            # the request finished or was aborted
+
+- `requests` are the engine's Request objects. A proposer reads `request_id`, `all_token_ids`
+  (prompt + outputs so far, with no drafts in it) and `params` (SamplingParams); it must not change
+  them.
+- `num_tokens[i]` is the most drafts request i may get (at least 1): the configured
+  num_speculative_tokens, cut so that drafts plus the target's own token stay within max_tokens and
+  max_model_len. A proposal may be shorter, or empty (no guess: the request decodes plainly).
+- `Proposal.draft_probs` is None for a proposer that only has tokens (n-gram: verification treats q
+  as one-hot), or q [len(draft_token_ids), vocab]: the distribution each draft was sampled from,
+  computed with radarlab.engine.sampler.probabilities and the request's params, so that top-k/top-p
+  truncate q as they truncate the target's p. Greedy requests may leave it None.
+- A proposer with state per request (a draft model's KV cache) keeps it between calls and checks
+  it against `all_token_ids`, which may have lost tokens (a preemption, rejected drafts) or gained
+  several (accepted drafts); `free` releases it.
+
+Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer.
+A trained draft plugs in as a DraftModelProposer: pass it as
+`Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
+where draft is a radarlab Llama (or anything with its forward signature and a .config with
+vocab_size, num_layers, num_kv_heads, head_dim) or the path of a Llama checkpoint with the target's
+vocabulary. Any other kind of draft (an EAGLE-style head reading the target's hidden states) is a
+class with these two methods and a num_speculative_tokens attribute; set it as engine.proposer and
+create engine.spec_stats = SpecDecodingStats(k) (radarlab.spec.metrics) to count its acceptance.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Protocol, Sequence
+
+import torch
+
+
+@dataclass
+class Proposal:
+    """Draft tokens for one request, and the distributions they were drawn from (None: one-hot)."""
+    draft_token_ids: list[int] = field(default_factory=list)
+    draft_probs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.draft_token_ids = [int(t) for t in self.draft_token_ids]
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.draft_token_ids):
+            raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for "
+                             f"{len(self.draft_token_ids)} draft tokens")
+
+
+class Proposer(Protocol):
+    num_speculative_tokens: int
+
+    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[Proposal]: ...
+
+    def free(self, request_id: Hashable) -> None: ...

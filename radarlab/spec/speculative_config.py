@@ -1,0 +1,53 @@
+"""Engine(speculative_config={...}): vLLM's keys, checked, turned into a proposer.
+
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    {"method": "draft_model", "num_speculative_tokens": 4, "model": draft}   # a model, or a path / HF id
+
+As in vLLM, "method" may be left out: with a "model" it is draft_model, without one ngram. Unlike
+vLLM, num_speculative_tokens = 0 is allowed and means plain decoding (no proposer).
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+from radarlab.spec.draft_model import DraftModelProposer
+from radarlab.spec.ngram import NgramProposer
+from radarlab.util import require_int
+
+SPECULATIVE_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+METHODS = ("ngram", "draft_model")
+
+
+def make_proposer(speculative_config: Mapping, target_model, num_blocks: int, block_size: int,
+                  max_model_len: int, backend: str = "torch"):
+    """The proposer a speculative_config asks for, or None for k = 0. ValueError names what is wrong."""
+    if not isinstance(speculative_config, Mapping):
+        raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
+    unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys {unknown}; valid keys: {list(SPECULATIVE_CONFIG_KEYS)}")
+    cfg = dict(speculative_config)
+    draft = cfg.get("model")
+    method = cfg.get("method") or ("draft_model" if draft is not None else "ngram")
+    if method not in METHODS:
+        raise ValueError(f"speculative_config method must be one of {list(METHODS)}, got {method!r}")
+    if "num_speculative_tokens" not in cfg:
+        raise ValueError("speculative_config needs num_speculative_tokens (0 means plain decoding)")
+    k = require_int("num_speculative_tokens", cfg["num_speculative_tokens"], 0)
+    if method == "ngram":
+        if draft is not None:
+            raise ValueError("speculative_config: method 'ngram' takes no model")
+        proposer = NgramProposer(k, cfg.get("prompt_lookup_min"), cfg.get("prompt_lookup_max"), max_model_len)
+        return proposer if k else None
+    for key in ("prompt_lookup_min", "prompt_lookup_max"):
+        if cfg.get(key) is not None:
+            raise ValueError(f"speculative_config: {key} belongs to method 'ngram', not {method!r}")
+    if draft is None:
+        raise ValueError("speculative_config: method 'draft_model' needs a model (a model object, or a path or id)")
+    if not k:
+        return None
+    if isinstance(draft, str):
+        from radarlab.models.llama import Llama
+        param = next(target_model.parameters())
+        draft, _ = Llama.from_pretrained(draft, dtype=param.dtype, device=param.device)
+    return DraftModelProposer(draft, k, num_blocks, block_size, target_model.config.vocab_size, backend)
