@@ -4,6 +4,7 @@ Subcommands:
   memory       reserved vs live KV memory, contiguous vs paged cache, on a synthetic workload
   throughput   output tokens/s of the radarlab engine, transformers and vLLM on the same prompts
   latency      TTFT, inter-token latency and throughput under Poisson arrivals, swept over request rates
+  spec         tokens/s with and without speculative decoding (n-gram, draft model), radarlab and vLLM
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import latency, reservation, throughput
+    from radarlab.bench import latency, reservation, spec, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -22,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", reservation, "reserved vs live KV memory: contiguous vs paged cache"),
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
+        ("spec", spec, "tokens/s with and without speculative decoding: radarlab vs vLLM"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)
