@@ -7,7 +7,7 @@ import json
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
-from radarlab.bench.spec import SpecBenchConfig, format_table, goal, speedups, workload_prompts
+from radarlab.bench.speculation import SpecBenchConfig, format_table, goal, speedups, workload_prompts
 from radarlab.bench.workload import copy_prompts, free_prompts, source_functions
 from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
                                          VLLM_NUM_DRAFTS, SpecRun, spec_counters)

@@ -13,7 +13,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import latency, reservation, spec, throughput
+    from radarlab.bench import latency, reservation, speculation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("memory", reservation, "reserved vs live KV memory: contiguous vs paged cache"),
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
-        ("spec", spec, "tokens/s with and without speculative decoding: radarlab vs vLLM"),
+        ("spec", speculation, "tokens/s with and without speculative decoding: radarlab vs vLLM"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)
