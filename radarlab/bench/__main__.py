@@ -6,6 +6,7 @@ Subcommands:
   latency      TTFT, inter-token latency and throughput under Poisson arrivals, swept over request rates
   quant        KV-cache formats: bytes per token, attention error, perplexity through the paged cache,
                and how many long requests the engine runs at once on a fixed KV byte budget
+  spec         tokens/s with and without speculative decoding (n-gram, draft model), radarlab and vLLM
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import kv_quant, latency, reservation, throughput
+    from radarlab.bench import kv_quant, latency, reservation, speculation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("latency", latency, "TTFT / ITL / throughput under Poisson arrivals, swept over request rates"),
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
         ("quant", kv_quant, "KV formats: bytes, attention error, perplexity, concurrency at a fixed budget"),
+        ("spec", speculation, "tokens/s with and without speculative decoding: radarlab vs vLLM"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)

@@ -107,3 +107,53 @@ def random_token_prompts(num_prompts: int, vocab_size: int, len_range: tuple[int
         raise ValueError(f"len_range must be ints with 1 <= lo <= hi, got {len_range!r}")
     rng = np.random.default_rng(seed)
     return [rng.integers(0, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(num_prompts)]
+
+
+# Modules whose functions make the copy workload: plain Python, stable across 3.x releases.
+COPY_SOURCE_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "calendar", "glob",
+                       "posixpath", "string", "tokenize", "difflib")
+COPY_INSTRUCTION = "Here is a Python function:\n```python\n{code}```\nRepeat it exactly, unchanged:\n```python\n"
+COPY_MAX_CHARS = 1200
+
+
+def source_functions(modules: tuple[str, ...] = COPY_SOURCE_MODULES, max_chars: int = COPY_MAX_CHARS) -> list[str]:
+    """Top-level function definitions of standard-library modules, in module then file order, each
+    at most max_chars long: text a speculative proposer can find again in the prompt."""
+    import ast
+    import importlib
+    import inspect
+
+    found = []
+    for name in modules:
+        source = inspect.getsource(importlib.import_module(name))
+        lines = source.splitlines(keepends=True)
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef):
+                text = "".join(lines[node.lineno - 1:node.end_lineno])
+                if 200 <= len(text) <= max_chars:
+                    found.append(text)
+    return found
+
+
+def copy_prompts(num_prompts: int, seed: int = 0) -> list[str]:
+    """Copy-heavy prompts: a seeded choice of standard-library functions, each to be repeated. The
+    first k prompts do not depend on num_prompts; with more prompts than functions they repeat."""
+    require_int("num_prompts", num_prompts)
+    functions = source_functions()
+    order = np.random.default_rng(seed).permutation(len(functions)).tolist()
+    return [COPY_INSTRUCTION.format(code=functions[order[i % len(order)]]) for i in range(num_prompts)]
+
+
+FREE_TOPICS = ("a lighthouse keeper", "the history of bread", "how tides work", "a city at night",
+               "learning to play the violin", "why the sky is blue", "a journey by train", "bees in winter",
+               "the first computers", "a mountain village", "ocean currents", "an old library")
+FREE_INSTRUCTIONS = ("Write a short story about {topic}.", "Explain {topic} to a child.",
+                     "Write a poem about {topic}.", "Describe {topic} in a few paragraphs.")
+
+
+def free_prompts(num_prompts: int, seed: int = 0) -> list[str]:
+    """Free-generation prompts: seeded instruction x topic pairs, nothing to copy from."""
+    require_int("num_prompts", num_prompts)
+    rng = np.random.default_rng(seed)
+    return [FREE_INSTRUCTIONS[int(rng.integers(len(FREE_INSTRUCTIONS)))].format(
+        topic=FREE_TOPICS[int(rng.integers(len(FREE_TOPICS)))]) for _ in range(num_prompts)]

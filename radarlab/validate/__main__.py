@@ -32,10 +32,10 @@ def collect(skip_vllm: bool) -> list[Row]:
         return rows
     if vllm.vllm_python() is None:
         return rows + [Row("vLLM rows", "vLLM", "not run: no vLLM environment", "run `make vllm`", False)]
-    from radarlab.validate import vllm_fp8, vllm_paged
+    from radarlab.validate import vllm_fp8, vllm_paged, vllm_spec
 
     return (rows + vllm.rows(model, prompts) + vllm_paged.rows(model, prompts, vllm_paged.prefix_workload(tok))
-            + vllm_fp8.rows(model, prompts))
+            + vllm_fp8.rows(model, prompts) + vllm_spec.rows(model, tok))
 
 
 def main(argv: list[str] | None = None) -> int:

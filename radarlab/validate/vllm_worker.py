@@ -34,6 +34,8 @@ Generate request (JSON object; only "model" and "prompts" or "batches" are requi
     block_size               KV block size in tokens, or null for vLLM's       (default null)
     enable_prefix_caching    true/false, or null for vLLM's default            (default null)
     speculative_config       dict passed to LLM(speculative_config=...)        (default null)
+                             (the CPU build runs "ngram" and "draft_model"; the counters
+                             vllm:spec_decode_* then appear in each batch's metrics)
     max_model_len            context limit; on CPU at most 2048                (default 2048)
     max_num_seqs             scheduler batch limit, or null                    (default null)
     kv_cache_memory_bytes    KV cache size                                     (default 1 GiB on CPU)

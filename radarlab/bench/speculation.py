@@ -1,0 +1,252 @@
+"""Speculative decoding: output tokens/s with and without drafts, radarlab and vLLM, in one run.
+
+Each system decodes the same prompts, fp32, greedy, EOS ignored, max_tokens new tokens each, all
+requests submitted at once, prefix caching off, with three methods:
+- none: plain decoding;
+- ngram: prompt lookup, vLLM's method and names (k = 5, prompt_lookup_min 2, prompt_lookup_max 4);
+- draft: vLLM's draft_model method with --draft-model as the draft (default: the course model
+  itself, which accepts nearly everything but costs as much as the target: an upper bound on
+  acceptance and a lower bound on speed).
+Two workloads (radarlab.bench.workload): copy (repeat a standard-library function given in the
+prompt, where prompt lookup finds the continuation) and free (chat prompts with nothing to copy).
+Batch size B takes the first B prompts of a workload.
+
+vLLM runs in one process per method (its speculative_config is fixed per engine), timed inside the
+worker, start-up excluded. The speedup of a method is its tokens/s over the same system's "none"
+at the same workload and batch size: ratios within one run, so a shared, busy CPU cancels out.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass
+
+from radarlab.util import require_int
+from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
+
+SYSTEMS = ("radarlab", "vllm")
+METHODS = ("none", "ngram", "draft")
+WORKLOADS = ("copy", "free")
+GOAL = "radarlab's n-gram speedup at batch 1 on the copy workload >= vLLM's, in the same run"
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    batch_sizes: tuple[int, ...] = (1, 4, 16, 64)
+    workloads: tuple[str, ...] = WORKLOADS
+    methods: tuple[str, ...] = METHODS
+    systems: tuple[str, ...] = SYSTEMS
+    max_tokens: int = 128
+    num_speculative_tokens: int = NGRAM_CONFIG["num_speculative_tokens"]
+    prompt_lookup_min: int = NGRAM_CONFIG["prompt_lookup_min"]
+    prompt_lookup_max: int = NGRAM_CONFIG["prompt_lookup_max"]
+    draft_k: int = DRAFT_K
+    draft_model: str | None = None  # a Llama directory or HF id; None is the course model
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_k"):
+            require_int(name, getattr(self, name))
+        require_int("seed", self.seed, minimum=0)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if not self.batch_sizes:
+            raise ValueError("batch_sizes is empty")
+        for b in self.batch_sizes:
+            require_int("batch_sizes", b)
+        for name, allowed in (("workloads", WORKLOADS), ("methods", METHODS), ("systems", SYSTEMS)):
+            values = getattr(self, name)
+            bad = [v for v in values if v not in allowed]
+            if not values or bad or len(set(values)) != len(values):
+                raise ValueError(f"{name} must be distinct values from {list(allowed)}, got {list(values)}")
+
+    def speculative_config(self, method: str) -> dict | None:
+        """The speculative_config (vLLM's keys) of a method; None for plain decoding."""
+        if method == "ngram":
+            return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                    "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        if method == "draft":
+            from radarlab.models.loader import resolve_model
+
+            return {"method": "draft_model", "num_speculative_tokens": self.draft_k,
+                    "model": str(resolve_model(self.draft_model))}
+        return None
+
+
+def workload_prompts(tokenizer, workload: str, num_prompts: int, seed: int) -> list[list[int]]:
+    """Token ids of a workload's first num_prompts prompts; free prompts go through the chat template."""
+    from radarlab.bench.workload import copy_prompts, free_prompts
+
+    if workload == "copy":
+        return [tokenizer(p)["input_ids"] for p in copy_prompts(num_prompts, seed)]
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                           tokenize=False) for p in free_prompts(num_prompts, seed)]
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def result_row(system: str, method: str, workload: str, run: SpecRun) -> dict:
+    return {"system": system, "method": method, "workload": workload, "batch_size": len(run.outputs),
+            "tokens_per_s": run.tokens_per_s, "acceptance_rate": run.acceptance_rate,
+            "mean_accepted": run.mean_accepted, "output_tokens": run.output_tokens, "seconds": run.seconds,
+            **run.counters()}
+
+
+def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[dict], dict]:
+    """Every system, method, workload and batch size; returns result rows, facts about vLLM, and the
+    outputs by (system, method, workload, batch size) for the equality check."""
+    import torch
+
+    from radarlab.models.llama import Llama
+
+    model, tokenizer = Llama.from_pretrained(None, dtype=torch.float32)
+    prompts = {w: workload_prompts(tokenizer, w, max(config.batch_sizes), config.seed) for w in config.workloads}
+    cases = [(w, b) for w in config.workloads for b in config.batch_sizes]
+    results, info, outputs = [], {}, {}
+
+    def record(system, method, workload, r: SpecRun):
+        results.append(result_row(system, method, workload, r))
+        outputs[(system, method, workload, len(r.outputs))] = r.outputs
+        rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}"
+        log(f"{system:>8} {method:>5} {workload:>4} batch {len(r.outputs):>3}: {r.tokens_per_s:7.1f} tok/s, "
+            f"acceptance {rate}")
+
+    for method in config.methods:
+        spec = config.speculative_config(method)
+        if "radarlab" in config.systems:
+            run_radarlab_spec(model, prompts[cases[0][0]][:2], 4, spec)  # warm-up
+            for w, b in cases:
+                record("radarlab", method, w, run_radarlab_spec(model, prompts[w][:b], config.max_tokens, spec))
+        if "vllm" in config.systems:
+            runs, info["vllm"] = run_vllm_spec([prompts[w][:b] for w, b in cases], config.max_tokens, spec)
+            for (w, _), r in zip(cases, runs):
+                record("vllm", method, w, r)
+    return results, {**info, "outputs": outputs}
+
+
+def speedups(results: list[dict]) -> list[dict]:
+    """Each speculative row's tokens/s over the same system's plain decoding at the same workload and
+    batch size."""
+    plain = {(r["system"], r["workload"], r["batch_size"]): r["tokens_per_s"] for r in results if r["method"] == "none"}
+    out = []
+    for r in results:
+        base = plain.get((r["system"], r["workload"], r["batch_size"]))
+        if r["method"] != "none" and base:
+            out.append({k: r[k] for k in ("system", "method", "workload", "batch_size")}
+                       | {"speedup": r["tokens_per_s"] / base})
+    return out
+
+
+def equal_outputs(outputs: dict) -> list[dict]:
+    """Per (method, workload, batch size): the fraction of requests whose tokens equal radarlab's
+    plain greedy decoding, for each system (speculation must not change greedy output)."""
+    rows = []
+    for (system, method, workload, b), outs in sorted(outputs.items()):
+        ref = outputs.get(("radarlab", "none", workload, b))
+        if ref is not None:
+            rows.append({"system": system, "method": method, "workload": workload, "batch_size": b,
+                         "equal_to_radarlab_plain": sum(x == y for x, y in zip(outs, ref)) / len(ref)})
+    return rows
+
+
+def goal(ups: list[dict]) -> dict:
+    def at(system):
+        return next((u["speedup"] for u in ups if u["system"] == system and u["method"] == "ngram"
+                     and u["workload"] == "copy" and u["batch_size"] == 1), None)
+
+    ours, theirs = at("radarlab"), at("vllm")
+    return {"goal": GOAL, "radarlab_speedup": ours, "vllm_speedup": theirs,
+            "met": None if ours is None or theirs is None else ours >= theirs}
+
+
+def report(config: SpecBenchConfig, results: list[dict], info: dict) -> dict:
+    import torch
+
+    from radarlab.hardware.machine import environment
+
+    env = environment()
+    env["torch_threads"] = torch.get_num_threads()
+    env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
+    params = asdict(config)
+    params["draft"] = ("draft_model with " + (config.draft_model or "the course model itself") +
+                       " as the draft")
+    ups = speedups(results)
+    return {"benchmark": "spec", "parameters": params, "environment": env, "results": results,
+            "speedups": ups, "outputs_equal": equal_outputs(info.get("outputs", {})), "goal": goal(ups)}
+
+
+def format_table(doc: dict) -> str:
+    res = doc["results"]
+    sizes = sorted({r["batch_size"] for r in res})
+    ups = {(u["system"], u["method"], u["workload"], u["batch_size"]): u["speedup"] for u in doc["speedups"]}
+    lines = [f"{'output tokens/s (speedup over none) [acceptance]':<52}" + "".join(f"{'batch ' + str(b):>24}"
+                                                                                 for b in sizes)]
+    keys = list(dict.fromkeys((r["system"], r["method"], r["workload"]) for r in res))
+    for system, method, workload in keys:
+        cells = []
+        for b in sizes:
+            r = next((r for r in res if (r["system"], r["method"], r["workload"], r["batch_size"])
+                      == (system, method, workload, b)), None)
+            if r is None:
+                cells.append(f"{'-':>24}")
+                continue
+            text = f"{r['tokens_per_s']:.1f}"
+            if (system, method, workload, b) in ups:
+                text += f" ({ups[(system, method, workload, b)]:.2f}x) [{r['acceptance_rate'] or 0:.2f}]"
+            cells.append(f"{text:>24}")
+        lines.append(f"{system + ' ' + method + ' ' + workload:<52}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = SpecBenchConfig()
+    parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
+    parser.add_argument("--workloads", default=",".join(c.workloads), help="(%(default)s)")
+    parser.add_argument("--methods", default=",".join(c.methods), help="(%(default)s)")
+    parser.add_argument("--systems", default=",".join(c.systems), help="(%(default)s); vllm needs `make vllm`")
+    parser.add_argument("--max-tokens", type=int, default=c.max_tokens, help="new tokens per request (%(default)s)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=c.num_speculative_tokens,
+                        help="n-gram k (%(default)s)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=c.prompt_lookup_min, help="(%(default)s)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=c.prompt_lookup_max, help="(%(default)s)")
+    parser.add_argument("--draft-k", type=int, default=c.draft_k, help="draft model k (%(default)s)")
+    parser.add_argument("--draft-model", default=None, help="draft Llama directory (default: the course model)")
+    parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
+
+
+def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
+    def ints(flag, text):
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
+
+    def names(text):
+        return tuple(x.strip() for x in text.split(",") if x.strip())
+
+    return SpecBenchConfig(batch_sizes=ints("batch-sizes", args.batch_sizes), workloads=names(args.workloads),
+                           methods=names(args.methods), systems=names(args.systems), max_tokens=args.max_tokens,
+                           num_speculative_tokens=args.num_speculative_tokens,
+                           prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                           draft_k=args.draft_k, draft_model=args.draft_model, seed=args.seed)
+
+
+def main(args: argparse.Namespace) -> int:
+    from radarlab.bench.report import write_json
+
+    config = config_from_args(args)
+    if "vllm" in config.systems:
+        from radarlab.validate.vllm import vllm_python
+
+        if vllm_python() is None:
+            raise ValueError("--systems includes vllm but there is no vLLM environment: run `make vllm`, set "
+                             "RADARLAB_VLLM_PYTHON, or pass --systems radarlab")
+    results, info = run(config)
+    doc = report(config, results, info)
+    print(format_table(doc))
+    g = doc["goal"]
+    if g["met"] is not None:
+        print(f"n-gram speedup, copy, batch 1: radarlab {g['radarlab_speedup']:.2f}x, vLLM {g['vllm_speedup']:.2f}x")
+    if args.json:
+        write_json(args.json, doc)
+    return 0

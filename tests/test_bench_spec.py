@@ -1,0 +1,137 @@
+"""The speculative decoding benchmark: its workloads, counter arithmetic, speedups and goal on
+hand-made numbers, bad flags, and tiny end-to-end runs (radarlab alone, and with vLLM)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from radarlab.bench.__main__ import main as bench_main
+from radarlab.bench.speculation import SpecBenchConfig, format_table, goal, speedups, workload_prompts
+from radarlab.bench.workload import copy_prompts, free_prompts, source_functions
+from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
+                                         VLLM_NUM_DRAFTS, SpecRun, spec_counters)
+
+
+def test_copy_and_free_prompts_are_seeded_prefixes():
+    a = copy_prompts(8, seed=0)
+    assert a == copy_prompts(8, seed=0) != copy_prompts(8, seed=1)
+    assert copy_prompts(3, seed=0) == a[:3]
+    assert len(set(a)) == 8
+    functions = source_functions()
+    assert all(any(f in p for f in functions) for p in a)  # each prompt holds a whole function to repeat
+    assert free_prompts(5, seed=0) == free_prompts(5, seed=0)[:5] == free_prompts(9, seed=0)[:5]
+    assert not any(f[:40] in p for p in free_prompts(20) for f in functions)
+    with pytest.raises(ValueError, match="num_prompts"):
+        copy_prompts(0)
+
+
+def test_workload_prompts_tokenize(tokenizer):
+    copy = workload_prompts(tokenizer, "copy", 2, 0)
+    free = workload_prompts(tokenizer, "free", 2, 0)
+    assert all(isinstance(t, int) for p in copy + free for t in p)
+    assert tokenizer.decode(free[0]).startswith("<|im_start|>")  # the chat template, once
+    assert tokenizer.decode(free[0]).count("<|im_start|>user") == 1
+
+
+def test_spec_counters_are_snapshot_differences():
+    before = {VLLM_NUM_DRAFTS: 3.0, VLLM_NUM_DRAFT_TOKENS: 15.0, VLLM_NUM_ACCEPTED: 7.0,
+              VLLM_ACCEPTED_PER_POS: [3.0, 2.0, 1.0, 1.0, 0.0]}
+    after = {VLLM_NUM_DRAFTS: 10.0, VLLM_NUM_DRAFT_TOKENS: 50.0, VLLM_NUM_ACCEPTED: 30.0,
+             VLLM_ACCEPTED_PER_POS: [9.0, 8.0, 6.0, 4.0, 3.0]}
+    assert spec_counters(before, after) == {"num_drafts": 7, "num_draft_tokens": 35, "num_accepted_tokens": 23,
+                                            "num_accepted_tokens_per_pos": [6, 6, 5, 3, 3]}
+    assert spec_counters({}, after)["num_accepted_tokens_per_pos"] == [9, 8, 6, 4, 3]
+    assert spec_counters({}, {}) == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
+                                     "num_accepted_tokens_per_pos": []}
+
+
+def test_spec_run_rates():
+    run = SpecRun([[1] * 10, [2] * 10], 4.0, num_drafts=5, num_draft_tokens=20, num_accepted_tokens=8)
+    assert (run.output_tokens, run.tokens_per_s) == (20, 5.0)
+    assert (run.acceptance_rate, run.mean_accepted) == (0.4, 1.6)
+    plain = SpecRun([[1] * 4], 1.0)
+    assert plain.acceptance_rate is None and plain.mean_accepted is None
+
+
+def row(system, method, workload, b, tps):
+    return {"system": system, "method": method, "workload": workload, "batch_size": b, "tokens_per_s": tps,
+            "acceptance_rate": None if method == "none" else 0.5, "mean_accepted": None}
+
+
+def test_speedups_and_goal():
+    rows = [row("radarlab", "none", "copy", 1, 10.0), row("radarlab", "ngram", "copy", 1, 25.0),
+            row("vllm", "none", "copy", 1, 20.0), row("vllm", "ngram", "copy", 1, 40.0),
+            row("vllm", "ngram", "free", 1, 9.0)]  # no plain free row: no speedup
+    ups = speedups(rows)
+    assert [(u["system"], u["speedup"]) for u in ups] == [("radarlab", 2.5), ("vllm", 2.0)]
+    assert goal(ups) == {"goal": goal(ups)["goal"], "radarlab_speedup": 2.5, "vllm_speedup": 2.0, "met": True}
+    rows[1]["tokens_per_s"] = 15.0
+    assert goal(speedups(rows))["met"] is False
+    assert goal(speedups(rows[:2]))["met"] is None  # vLLM not run
+    table = format_table({"results": rows, "speedups": ups})
+    assert "2.50x" in table and "radarlab ngram copy" in table
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"batch_sizes": ()}, "batch_sizes"), ({"batch_sizes": (0,)}, "batch_sizes"),
+    ({"methods": ("ngram", "eagle")}, "methods"), ({"workloads": ("copy", "copy")}, "workloads"),
+    ({"systems": ()}, "systems"), ({"max_tokens": 0}, "max_tokens"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_min"),
+])
+def test_bad_config_raises(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SpecBenchConfig(**kwargs)
+
+
+def test_bad_flag_names_the_flag(capsys):
+    with pytest.raises(SystemExit) as exc:
+        bench_main(["spec", "--max-tokens", "0"])
+    assert exc.value.code == 2
+    assert "--max-tokens" in capsys.readouterr().err
+
+
+def _check_doc(doc: dict, systems: set, batch_sizes: list[int]) -> None:
+    results = doc["results"]
+    keys = {"system", "method", "workload", "batch_size", "tokens_per_s", "acceptance_rate", "mean_accepted"}
+    assert all(keys <= set(r) for r in results)
+    assert {r["system"] for r in results} == systems
+    assert len(results) == len(systems) * 2 * 2 * len(batch_sizes)
+    assert doc["environment"]["cpu_kind"]
+    for r in results:
+        assert r["tokens_per_s"] > 0 and r["output_tokens"] == r["batch_size"] * doc["parameters"]["max_tokens"]
+        if r["method"] == "none":
+            assert r["acceptance_rate"] is None and r["mean_accepted"] is None and r["num_drafts"] == 0
+    for system in systems:
+        rate = {r["workload"]: r["acceptance_rate"] or 0.0 for r in results
+                if r["system"] == system and r["method"] == "ngram" and r["batch_size"] == batch_sizes[0]}
+        assert rate["copy"] > rate["free"], (system, rate)
+        assert rate["copy"] > 0.5
+    # speculation is lossless: greedy outputs equal plain decoding's (fp32, same engine)
+    assert all(e["equal_to_radarlab_plain"] == 1.0 for e in doc["outputs_equal"] if e["system"] == "radarlab")
+
+
+def test_tiny_run_radarlab(tmp_path):
+    path = tmp_path / "spec.json"
+    assert bench_main(["spec", "--systems", "radarlab", "--methods", "none,ngram", "--batch-sizes", "1,2",
+                       "--max-tokens", "12", "--json", str(path)]) == 0
+    _check_doc(json.loads(path.read_text()), {"radarlab"}, [1, 2])
+
+
+@pytest.mark.vllm
+def test_tiny_run_with_vllm(tmp_path):
+    path = tmp_path / "spec.json"
+    assert bench_main(["spec", "--methods", "none,ngram", "--batch-sizes", "1", "--max-tokens", "12",
+                       "--json", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    _check_doc(doc, {"radarlab", "vllm"}, [1])
+    assert doc["goal"]["radarlab_speedup"] is not None and doc["goal"]["vllm_speedup"] is not None
+    # n-gram drafts are a function of the tokens: where outputs agree, so do the counters
+    by = {(r["system"], r["method"], r["workload"]): r for r in doc["results"]}
+    for w in ("copy", "free"):
+        same = [e for e in doc["outputs_equal"] if e["system"] == "vllm" and e["method"] == "ngram"
+                and e["workload"] == w]
+        if same and same[0]["equal_to_radarlab_plain"] == 1.0:
+            ours, theirs = by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]
+            assert ours["num_accepted_tokens_per_pos"] == theirs["num_accepted_tokens_per_pos"]
+            assert ours["num_drafts"] == theirs["num_drafts"]
