@@ -1,0 +1,261 @@
+"""Measure a draft where it is used: greedy speculative generation with the target verifying
+(python -m radarlab.spec.draft_eval --head DIR --json PATH).
+
+Prompts are held-out standard-library files (radarlab.spec.draft_data's split). For each k, every
+prompt is generated with real speculative decoding, all prompts packed in one batch:
+
+1. the proposer drafts up to k tokens (the head: catch up on the positions the target verified last
+   step, with the target's true features, then k - 1 steps on its own features; the n-gram: prompt
+   lookup; combined: the n-gram when it matches, else the head);
+2. the target runs once over [last token, drafts] on its contiguous cache;
+3. the longest prefix of drafts equal to the target's greedy tokens is accepted, plus the target's
+   own next token (the bonus); rejected positions are overwritten by the next step.
+
+The output must equal plain greedy decoding token for token; the run counts any difference.
+Reported as vLLM names them: drafts, draft tokens, accepted per position, mean acceptance length,
+tokens per verify step (accepted + bonus); and the draft's cost per token against the target's.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from radarlab.attention.metadata import AttentionMetadata
+from radarlab.kvcache.contiguous import ContiguousKVCache
+from radarlab.models.generate import greedy_generate
+from radarlab.spec.draft_data import split_files
+from radarlab.spec.draft_head import DraftHead, final_features, load_head
+from radarlab.util import require_int
+
+METHODS = ("draft", "ngram", "combined")
+
+
+def eval_prompts(tokenizer, num_prompts: int = 16, prompt_len: int = 256) -> list[list[int]]:
+    """num_prompts windows of prompt_len tokens from held-out files (the largest ones), each taken a
+    third of the way into its file, where code rather than the module docstring is."""
+    _, held = split_files()
+    encoded = [tokenizer(p.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+               for p in held]
+    encoded = sorted((ids for ids in encoded if len(ids) >= 3 * prompt_len), key=len, reverse=True)
+    if len(encoded) < num_prompts:
+        raise ValueError(f"only {len(encoded)} held-out files have {3 * prompt_len} tokens; asked for {num_prompts}")
+    return [ids[len(ids) // 3:len(ids) // 3 + prompt_len] for ids in encoded[:num_prompts]]
+
+
+def ngram_lookup(tokens: list[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
+    """Prompt lookup with vLLM's rule: the longest suffix n-gram (n_max down to n_min) seen earlier;
+    its leftmost occurrence; the up to k tokens that followed it."""
+    total = len(tokens)
+    for n in range(min(n_max, total - 1), n_min - 1, -1):
+        suffix = tokens[total - n:]
+        for s in range(total - n):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+class HeadDrafter:
+    """The draft head over a batch of sequences, with its own one-layer contiguous cache.
+    rows: the head's output rows of the LM head (the draft vocabulary, or all of it) and their ids."""
+
+    def __init__(self, head: DraftHead, target, num_seqs: int, max_len: int, vocab: torch.Tensor | None) -> None:
+        self.head, self.target = head, target
+        self.cache = ContiguousKVCache.for_model(head.config, num_seqs, max_len)
+        weight = target.lm_head.weight
+        self.vocab = vocab if vocab is not None else torch.arange(weight.shape[0])
+        self.rows = weight[self.vocab].contiguous()
+        self.done = [0] * num_seqs  # positions of each sequence the cache holds from true features
+
+    @torch.inference_mode()
+    def propose(self, seqs: list[int], tokens: list[list[int]], feats: list[torch.Tensor], ks: list[int]) -> list[list[int]]:
+        """For sequence s: catch up on positions done[s] .. len(feats[s]) - 1 (true features f_i and
+        tokens i+1), then draft ks[s] tokens, steps 2.. reading the head's own output."""
+        embed = self.target.embed_tokens
+        q_lens = [len(feats[s]) - self.done[s] for s in seqs]
+        meta = AttentionMetadata.from_lens(q_lens, [len(feats[s]) for s in seqs], cache_rows=torch.tensor(seqs))
+        f_in = torch.cat([feats[s][self.done[s]:] for s in seqs])
+        ids = torch.tensor([t for s in seqs for t in tokens[s][self.done[s] + 1:len(feats[s]) + 1]])
+        g = self.head(embed(ids), f_in, meta.positions, self.cache, meta)[meta.query_start_loc[1:] - 1]
+        for s in seqs:
+            self.done[s] = len(feats[s])
+        drafts = [[] for _ in seqs]
+        lens = [len(feats[s]) for s in seqs]
+        for step in range(max(ks, default=0)):
+            nxt = self.vocab[(g @ self.rows.T).argmax(-1)]
+            live = [i for i, s in enumerate(seqs) if step < ks[i]]
+            for i in live:
+                drafts[i].append(int(nxt[i]))
+            if step + 1 >= max(ks):
+                break
+            # next step for every sequence (simpler than dropping finished ones; their extra drafts are cut)
+            lens = [n + 1 for n in lens]
+            meta = AttentionMetadata.from_lens([1] * len(seqs), lens, cache_rows=torch.tensor(seqs))
+            g = self.head(embed(nxt), g, meta.positions, self.cache, meta)
+        return [d[:k] for d, k in zip(drafts, ks)]
+
+
+@torch.inference_mode()
+def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, k: int, method: str,
+                         head: DraftHead | None = None, vocab: torch.Tensor | None = None) -> dict:
+    """Greedy speculative generation of every prompt in one batch; the outputs and vLLM-style counters."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    require_int("k", k)
+    if method != "ngram" and head is None:
+        raise ValueError(f"method {method!r} needs a draft head")
+    n = len(prompts)
+    max_len = max(map(len, prompts)) + max_new_tokens + k + 1
+    cache = ContiguousKVCache.for_model(target.config, n, max_len)
+    drafter = HeadDrafter(head, target, n, max_len, vocab) if head is not None else None
+    lm = target.lm_head
+    # prefill: features of every prompt position; the first new token is the target's own
+    meta = AttentionMetadata.from_lens([len(p) for p in prompts], [len(p) for p in prompts], cache_rows=torch.arange(n))
+    f = final_features(target, torch.tensor([t for p in prompts for t in p]), meta.positions, cache, meta)
+    bounds = meta.query_start_loc.tolist()
+    feats = [f[bounds[i]:bounds[i + 1]] for i in range(n)]
+    tokens = [list(p) + [int(lm(feats[i][-1]).argmax())] for i, p in enumerate(prompts)]
+    accepted = [0] * k
+    drafts = draft_tokens = verify_steps = ngram_used = 0
+    draft_time = 0.0
+    active = [i for i in range(n) if max_new_tokens > 1]
+    while active:
+        ks = [min(k, max_new_tokens - (len(tokens[i]) - len(prompts[i])) - 1) for i in active]
+        t0 = time.perf_counter()
+        proposals: list[list[int]] = [[] for _ in active]
+        if method in ("ngram", "combined"):
+            proposals = [ngram_lookup(tokens[i], kk) for i, kk in zip(active, ks)]
+        if method == "ngram":
+            ngram_used += sum(1 for p in proposals if p)
+        else:
+            # the head reads every verified position even where the n-gram drafts (its cache must
+            # stay complete); it drafts only where the n-gram found nothing
+            head_ks = [0 if p else kk for p, kk in zip(proposals, ks)]
+            ngram_used += sum(1 for p in proposals if p)
+            out = drafter.propose(active, tokens, feats, head_ks)
+            proposals = [p or d for p, d in zip(proposals, out)]
+        draft_time += time.perf_counter() - t0
+        # verify: [last token, drafts] for every active sequence, in one packed target forward
+        q_lens = [1 + len(p) for p in proposals]
+        seq_lens = [len(feats[i]) + q for i, q in zip(active, q_lens)]
+        meta = AttentionMetadata.from_lens(q_lens, seq_lens, cache_rows=torch.tensor(active))
+        ids = torch.tensor([t for i, p in zip(active, proposals) for t in [tokens[i][-1]] + p])
+        fv = final_features(target, ids, meta.positions, cache, meta)
+        greedy = lm(fv).argmax(-1).tolist()
+        verify_steps += len(active)
+        bounds = meta.query_start_loc.tolist()
+        still = []
+        for j, (i, p) in enumerate(zip(active, proposals)):
+            lo = bounds[j]
+            a = 0
+            while a < len(p) and p[a] == greedy[lo + a]:
+                a += 1
+            if p:
+                drafts += 1
+                draft_tokens += len(p)
+                for pos in range(a):
+                    accepted[pos] += 1
+            feats[i] = torch.cat((feats[i], fv[lo:lo + a + 1]))
+            tokens[i] += p[:a] + [greedy[lo + a]]
+            if len(tokens[i]) - len(prompts[i]) < max_new_tokens:
+                still.append(i)
+        active = still
+    outputs = [t[len(p):len(p) + max_new_tokens] for t, p in zip(tokens, prompts)]
+    total_accepted = sum(accepted)
+    return {
+        "outputs": outputs,
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens_per_pos": accepted,
+        "verify_steps": verify_steps,
+        "first_token_acceptance": accepted[0] / drafts if drafts else 0.0,
+        "mean_acceptance_length": 1 + total_accepted / drafts if drafts else 1.0,
+        # the first new token comes from the prefill, every later one from a verify step
+        "tokens_per_verify_step": (sum(map(len, outputs)) - n) / verify_steps if verify_steps else 0.0,
+        "ngram_drafts": ngram_used,
+        "draft_seconds": draft_time,
+    }
+
+
+@torch.inference_mode()
+def draft_cost(target, head: DraftHead, vocab_rows: int, context: int = 384, reps: int = 20) -> dict:
+    """The draft's cost per token against the target's, three ways: FLOPs (weights' multiply-adds,
+    LM head included), bytes of weights read per decode step at batch 1 (fp16), and the measured time
+    of one batch-1 decode step of each (ours, contiguous cache, median of reps)."""
+    cfg = target.config
+    target_params = sum(p.numel() for p in target.parameters())  # tied embedding: counted once, as LM head
+    head_params = sum(p.numel() for p in head.parameters())
+    flops = {"target": 2 * target_params, "draft": head.flops_per_token(vocab_rows)}
+    bytes_ = {"target": 2 * target_params, "draft": 2 * (head_params + vocab_rows * cfg.hidden_size)}
+
+    def timed(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    tcache = ContiguousKVCache.for_model(cfg, 1, context + 1)
+    dcache = ContiguousKVCache.for_model(head.config, 1, context + 1)
+    meta = AttentionMetadata.from_lens([1], [context + 1], cache_rows=torch.tensor([0]))
+    tok = torch.tensor([1])
+    rows = target.lm_head.weight[:vocab_rows].contiguous()
+    feat = torch.randn(1, cfg.hidden_size)
+    t_target = timed(lambda: target.lm_head(final_features(target, tok, meta.positions, tcache, meta)).argmax(-1))
+    t_draft = timed(lambda: (head(target.embed_tokens(tok), feat, meta.positions, dcache, meta) @ rows.T).argmax(-1))
+    return {"flops_per_token": flops, "weight_bytes_per_token": bytes_,
+            "seconds_per_token": {"target": t_target, "draft": t_draft},
+            "ratio_flops": flops["draft"] / flops["target"], "ratio_bytes": bytes_["draft"] / bytes_["target"],
+            "ratio_time": t_draft / t_target, "draft_vocab_rows": vocab_rows, "context": context}
+
+
+def main(argv=None) -> None:
+    from radarlab.hardware.machine import environment
+    from radarlab.models.llama import Llama
+
+    ap = argparse.ArgumentParser(description="Greedy speculative generation with the draft head on held-out prompts")
+    ap.add_argument("--head", required=True, help="directory written by radarlab.spec.train_draft")
+    ap.add_argument("--json", required=True, help="where to write the results")
+    ap.add_argument("--ks", default="1,2,3,4,5,6")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--full-vocab", action="store_true", help="rank all 49,152 tokens, not the draft vocabulary")
+    args = ap.parse_args(argv)
+    target, tokenizer = Llama.from_pretrained()
+    head, vocab = load_head(args.head, target.config)
+    if args.full_vocab:
+        vocab = None
+    prompts = eval_prompts(tokenizer, args.prompts, args.prompt_len)
+    t0 = time.perf_counter()
+    reference = greedy_generate(target, prompts, args.max_new_tokens)
+    plain_s = time.perf_counter() - t0
+    results = []
+    for method in args.methods.split(","):
+        for k in map(int, args.ks.split(",")):
+            t0 = time.perf_counter()
+            r = speculative_generate(target, prompts, args.max_new_tokens, k, method, head, vocab)
+            r["seconds"] = time.perf_counter() - t0
+            r["mismatched_outputs"] = sum(o != ref for o, ref in zip(r.pop("outputs"), reference))
+            r.update(method=method, k=k)
+            results.append(r)
+            print(f"{method:9s} k={k} first {r['first_token_acceptance']:.3f} per-verify {r['tokens_per_verify_step']:.2f} "
+                  f"accepted/pos {r['num_accepted_tokens_per_pos']} drafts {r['num_drafts']} "
+                  f"mismatch {r['mismatched_outputs']} {r['seconds']:.0f} s", flush=True)
+    rows = vocab.numel() if vocab is not None else target.config.vocab_size
+    cost = draft_cost(target, head, rows)
+    print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, time {cost['ratio_time']:.3f}")
+    out = {"machine": environment(), "head": str(args.head), "prompts": args.prompts, "prompt_len": args.prompt_len,
+           "max_new_tokens": args.max_new_tokens, "draft_vocab_rows": rows, "plain_greedy_seconds": plain_s,
+           "results": results, "cost": cost}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
