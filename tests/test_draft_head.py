@@ -145,3 +145,17 @@ def test_committed_head_beats_copying_the_last_feature(model, tokenizer):
     trained = (model.lm_head(g).argmax(-1) == want).float().mean()
     copy = (model.lm_head(feats[:, :-1].reshape(-1, feats.shape[-1])).argmax(-1) == want).float().mean()
     assert trained > 0.4 and trained > copy + 0.2
+
+
+@pytest.mark.parametrize("method", ["draft", "combined"])
+def test_replay_gives_the_counters_of_the_real_run(tiny, head, method):
+    """Verifying against the greedy continuation and its prefill features drafts and accepts exactly
+    what the run with the target verifying does."""
+    torch.manual_seed(5)
+    prompts = [torch.randint(0, 128, (10,)).tolist() + [1, 2, 3, 1, 2] for _ in range(3)]
+    real = speculative_generate(tiny, prompts, 16, 3, method, head)
+    full = torch.tensor([p + o for p, o in zip(prompts, real["outputs"])])
+    feats, _ = target_features_batch(tiny, full)
+    replay = speculative_generate(tiny, prompts, 16, 3, method, head, reference=(full.tolist(), list(feats)))
+    for key in ("outputs", "num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos", "verify_steps"):
+        assert replay[key] == real[key], key

@@ -62,10 +62,12 @@ class DraftHead(nn.Module):
         return 2 * (own + vocab_size * self.config.hidden_size)
 
 
-def draft_config(target: LlamaConfig) -> LlamaConfig:
-    """The head's config: the target's, with one layer."""
+def draft_config(target: LlamaConfig, intermediate_size: int | None = None) -> LlamaConfig:
+    """The head's config: the target's, with one layer (and, if given, a narrower MLP)."""
     fields = asdict(target)
     fields["num_layers"] = 1
+    if intermediate_size is not None:
+        fields["intermediate_size"] = intermediate_size
     return LlamaConfig(**fields)
 
 
@@ -92,7 +94,8 @@ def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,
         state[key] = t.detach().to(dtype).contiguous()
     save_file(state, str(directory / WEIGHTS_FILE))
     cfg = dict(target_hf_config)
-    cfg.update(num_hidden_layers=1, architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).removeprefix("torch."))
+    cfg.update(num_hidden_layers=1, intermediate_size=head.config.intermediate_size,
+               architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).removeprefix("torch."))
     (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     if draft_vocab is not None:
         save_file({"draft_vocab": draft_vocab.to(torch.int32).contiguous()}, str(directory / VOCAB_FILE))
@@ -109,7 +112,7 @@ def load_head(directory: str | Path, target: LlamaConfig, dtype=torch.float32) -
                       ("num_attention_heads", target.num_heads), ("num_key_value_heads", target.num_kv_heads)):
         if cfg.get(key) != ours:
             raise ValueError(f"draft head {key}={cfg.get(key)} does not match the target's {ours}")
-    head = DraftHead(draft_config(target))
+    head = DraftHead(draft_config(target, cfg.get("intermediate_size")))
     state = {k.replace("layers.0.", "layer.", 1): v.to(dtype) for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:

@@ -97,18 +97,28 @@ def unrolled_loss(head, embed, lm_rows, batch, passes: int, vocab_index: torch.T
     return loss, accs
 
 
-def train(data: dict, model, out: Path, *, steps: int, batch_rows: int = 8, passes: int = 3,
-          vocab_size: int = 8192, lr: float = 1e-3, reg_weight: float = 0.5, seed: int = 0,
-          time_limit_s: float | None = None, log=print, hf_config: dict | None = None) -> dict:
-    """Train a fresh head on the cached rows; checkpoint to `out` (fp16) as it goes. Returns a summary."""
+def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: int = 3,
+          vocab_size: int = 8192, lr: float = 1e-3, reg_weight: float = 0.1, seed: int = 0,
+          time_limit_s: float | None = None, log=print, log_every: int = 25, hf_config: dict | None = None,
+          intermediate_size: int | None = None, vocab: torch.Tensor | None = None,
+          reload_every: int = 100) -> dict:
+    """Train a fresh head on the cached rows; checkpoint to `out` (fp16) as it goes. Returns a summary.
+
+    data: the cached rows (a dict), or a function returning them, called again every reload_every
+    steps (training can start while the cache is still growing). vocab: the draft vocabulary, else
+    the vocab_size most frequent greedy tokens of the first data. The learning rate follows a cosine
+    over the steps, or over time_limit_s if that ends sooner."""
     log = log or (lambda *_: None)
+    load = data if callable(data) else (lambda: data)
+    data = load()
     torch.manual_seed(seed)
-    cfg = draft_config(model.config)
+    cfg = draft_config(model.config, intermediate_size)
     head = DraftHead(cfg)
     with torch.no_grad():  # start near the identity on the feature path: output ~ input feature
         head.fc.weight.zero_()
         head.fc.weight[:, cfg.hidden_size:].copy_(torch.eye(cfg.hidden_size))
-    vocab = draft_vocabulary(data["greedy"], vocab_size, cfg.vocab_size)
+    if vocab is None:
+        vocab = draft_vocabulary(data["greedy"], vocab_size, cfg.vocab_size)
     vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
     vocab_index[vocab] = torch.arange(vocab.numel())
     coverage = float((vocab_index[data["greedy"].long()] >= 0).float().mean())
@@ -117,14 +127,27 @@ def train(data: dict, model, out: Path, *, steps: int, batch_rows: int = 8, pass
     rows = data["tokens"].shape[0]
     log(f"{rows} rows x {data['tokens'].shape[1]} tokens; draft vocabulary {vocab.numel()} covers {coverage:.1%} of greedy tokens")
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
-    warmup = min(100, steps // 10 + 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps))))
-    gen = torch.Generator().manual_seed(seed)
+    warmup = min(50, steps // 10 + 1)
     start = time.perf_counter()
+
+    def progress(s: int) -> float:
+        done = s / steps
+        if time_limit_s:
+            done = max(done, (time.perf_counter() - start) / time_limit_s)
+        return min(1.0, done)
+
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
+    gen = torch.Generator().manual_seed(seed)
     history = []
     step = 0
     for step in range(1, steps + 1):
+        if step % reload_every == 0:
+            data = load()
+            if data["tokens"].shape[0] != rows:
+                rows = data["tokens"].shape[0]
+                coverage = float((vocab_index[data["greedy"].long()] >= 0).float().mean())
+                log(f"now {rows} rows; draft vocabulary covers {coverage:.1%} of greedy tokens")
         idx = torch.randint(rows, (batch_rows,), generator=gen)
         loss, accs = unrolled_loss(head, embed, lm_rows, {k: v[idx] for k, v in data.items()}, passes, vocab_index, reg_weight)
         opt.zero_grad(set_to_none=True)
@@ -133,8 +156,8 @@ def train(data: dict, model, out: Path, *, steps: int, batch_rows: int = 8, pass
         opt.step()
         sched.step()
         history.append((float(loss.detach()), accs))
-        if step % 25 == 0 or step == steps:
-            recent = history[-25:]
+        if step % log_every == 0 or step == steps:
+            recent = history[-log_every:]
             mean_acc = [sum(a[p] for _, a in recent) / len(recent) for p in range(passes)]
             log(f"step {step}/{steps} loss {sum(l for l, _ in recent) / len(recent):.3f} "
                 f"acc per pass {[round(a, 3) for a in mean_acc]} {time.perf_counter() - start:.0f} s")
@@ -166,15 +189,23 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-shards", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="seconds")
+    ap.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    model, _ = Llama.from_pretrained()
+    model, tokenizer = Llama.from_pretrained()
     for p in model.parameters():
         p.requires_grad_(False)
-    data = load_shards(args.features, args.max_shards)
+    from radarlab.spec.draft_data import split_files, token_chunks
+
+    # the draft vocabulary: the most frequent tokens of the whole training text (the greedy tokens
+    # follow them closely, and the text is cheap to count while the feature cache is still growing)
+    corpus = token_chunks(tokenizer, split_files()[0], 256)
+    vocab = draft_vocabulary(corpus, args.vocab, model.config.vocab_size)
     hf_config = json.loads((Path(resolve_model(None)) / "config.json").read_text())
-    summary = train(data, model, Path(args.out), steps=args.steps, batch_rows=args.batch_rows, passes=args.passes,
-                    vocab_size=args.vocab, lr=args.lr, time_limit_s=args.time_limit, hf_config=hf_config)
+    summary = train(lambda: load_shards(args.features, args.max_shards), model, Path(args.out), steps=args.steps, batch_rows=args.batch_rows, passes=args.passes,
+                    vocab_size=args.vocab, lr=args.lr, time_limit_s=args.time_limit, hf_config=hf_config,
+                    log_every=args.log_every, intermediate_size=args.intermediate_size, vocab=vocab)
     (Path(args.out) / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary))
 
