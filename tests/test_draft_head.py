@@ -15,6 +15,7 @@ from radarlab.models.generate import greedy_generate
 from radarlab.spec.draft_data import CausalBatch, target_features_batch
 from radarlab.spec.draft_eval import HeadDrafter, ngram_lookup, speculative_generate
 from radarlab.spec.draft_head import DraftHead, draft_config, load_head, save_head
+from radarlab.spec.token_table import TokenTable
 from radarlab.spec.train_draft import draft_vocabulary, train, unroll_mask, unrolled_forward
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "radarlab" / "spec" / "weights" / "smollm2-135m-eagle"
@@ -116,12 +117,30 @@ def test_ngram_lookup_uses_the_leftmost_longest_match():
     assert ngram_lookup([4, 5, 6, 7], 3) == []
 
 
-@pytest.mark.parametrize("method", ["draft", "ngram", "combined"])
-def test_speculative_generation_is_lossless(tiny, head, method):
+@pytest.fixture(scope="module")
+def table():
+    torch.manual_seed(6)
+    return TokenTable.build(torch.randint(0, 128, (8, 64)), 128, min_count=1)
+
+
+def test_token_table_backs_off_to_shorter_contexts():
+    rows = torch.tensor([[1, 2, 3, 4, 1, 2, 3, 4, 9, 2, 3, 5, 9, 2, 3, 5, 7, 7]])
+    t = TokenTable.build(rows, 16, min_count=2)
+    assert t.next_token([1, 2, 3]) == 4  # seen twice after 1 2 3
+    assert t.next_token([9, 2, 3]) == 5
+    assert t.next_token([8, 8, 3]) in (4, 5)  # backs off to "3": 4 and 5 tie twice each
+    assert t.next_token([8, 8, 15]) is None  # never seen
+    assert t.propose([9, 2, 3], 2) == [5, 7]  # "2 3 5" was followed by 9 and by 7 once each: ties go to the smaller id
+    with pytest.raises(ValueError, match="max_context"):
+        TokenTable.build(rows, 16, max_context=4)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram", "table", "ngram+draft", "ngram+table"])
+def test_speculative_generation_is_lossless(tiny, head, table, method):
     torch.manual_seed(4)
     prompts = [torch.randint(0, 128, (n,)).tolist() + [1, 2, 3, 1, 2] for n in (5, 9, 14)]
     ref = greedy_generate(tiny, prompts, 20)
-    r = speculative_generate(tiny, prompts, 20, 3, method, head)
+    r = speculative_generate(tiny, prompts, 20, 3, method, head, table=table)
     assert r["outputs"] == ref
     assert r["num_draft_tokens"] >= r["num_drafts"] > 0
     assert sum(r["num_accepted_tokens_per_pos"]) <= r["num_draft_tokens"]
@@ -147,7 +166,14 @@ def test_committed_head_beats_copying_the_last_feature(model, tokenizer):
     assert trained > 0.4 and trained > copy + 0.2
 
 
-@pytest.mark.parametrize("method", ["draft", "combined"])
+def test_method_names_are_checked(tiny, head):
+    with pytest.raises(ValueError, match="joined by"):
+        speculative_generate(tiny, [[1, 2]], 4, 2, "ngram+eagle", head)
+    with pytest.raises(ValueError, match="token table"):
+        speculative_generate(tiny, [[1, 2]], 4, 2, "table", head)
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram+draft"])
 def test_replay_gives_the_counters_of_the_real_run(tiny, head, method):
     """Verifying against the greedy continuation and its prefill features drafts and accepts exactly
     what the run with the target verifying does."""

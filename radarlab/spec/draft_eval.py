@@ -26,11 +26,21 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.spec.draft_data import split_files, target_features_batch
+from radarlab.spec.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.spec.draft_head import DraftHead, final_features, load_head
+from radarlab.spec.token_table import TokenTable
 from radarlab.util import require_int
 
-METHODS = ("draft", "ngram", "combined")
+SOURCES = ("ngram", "table", "draft")  # prompt lookup, the token table, the draft head
+METHODS = ("draft", "ngram", "table", "ngram+draft", "ngram+table")
+
+
+def parse_method(method: str) -> list[str]:
+    """'ngram+draft' -> ['ngram', 'draft']: sources tried in order, the first with a guess drafts."""
+    sources = method.split("+")
+    if not sources or any(s not in SOURCES for s in sources) or len(set(sources)) != len(sources):
+        raise ValueError(f"method must be sources from {SOURCES} joined by '+', each once; got {method!r}")
+    return sources
 
 
 def eval_prompts(tokenizer, num_prompts: int = 16, prompt_len: int = 256) -> list[list[int]]:
@@ -100,7 +110,8 @@ class HeadDrafter:
 @torch.inference_mode()
 def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, k: int, method: str,
                          head: DraftHead | None = None, vocab: torch.Tensor | None = None,
-                         reference: tuple[list[list[int]], list[torch.Tensor]] | None = None) -> dict:
+                         reference: tuple[list[list[int]], list[torch.Tensor]] | None = None,
+                         table: TokenTable | None = None) -> dict:
     """Greedy speculative generation of every prompt in one batch; the outputs and vLLM-style counters.
 
     reference: (prompt + greedy continuation, the target's features at those positions) per prompt.
@@ -108,15 +119,16 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
     verification is lossless, so the target's token at every verified position is the plain greedy
     one and its feature is the one a prefill of the continuation computes. The drafts, acceptances
     and counters are those of the real run, at the cost of the draft alone."""
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    sources = parse_method(method)
     require_int("k", k)
-    if method != "ngram" and head is None:
+    if "draft" in sources and head is None:
         raise ValueError(f"method {method!r} needs a draft head")
+    if "table" in sources and table is None:
+        raise ValueError(f"method {method!r} needs a token table")
     n = len(prompts)
     max_len = max(map(len, prompts)) + max_new_tokens + k + 1
     cache = None if reference else ContiguousKVCache.for_model(target.config, n, max_len)
-    drafter = HeadDrafter(head, target, n, max_len, vocab) if head is not None else None
+    drafter = HeadDrafter(head, target, n, max_len, vocab) if "draft" in sources else None
     lm = target.lm_head
     # prefill: features of every prompt position; the first new token is the target's own
     if reference:
@@ -130,24 +142,25 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
         feats = [f[bounds[i]:bounds[i + 1]] for i in range(n)]
         tokens = [list(p) + [int(lm(feats[i][-1]).argmax())] for i, p in enumerate(prompts)]
     accepted = [0] * k
-    drafts = draft_tokens = verify_steps = ngram_used = 0
+    drafts = draft_tokens = verify_steps = 0
+    used = dict.fromkeys(sources, 0)
     draft_time = 0.0
     active = [i for i in range(n) if max_new_tokens > 1]
     while active:
         ks = [min(k, max_new_tokens - (len(tokens[i]) - len(prompts[i])) - 1) for i in active]
         t0 = time.perf_counter()
         proposals: list[list[int]] = [[] for _ in active]
-        if method in ("ngram", "combined"):
-            proposals = [ngram_lookup(tokens[i], kk) for i, kk in zip(active, ks)]
-        if method == "ngram":
-            ngram_used += sum(1 for p in proposals if p)
-        else:
-            # the head reads every verified position even where the n-gram drafts (its cache must
-            # stay complete); it drafts only where the n-gram found nothing
-            head_ks = [0 if p else kk for p, kk in zip(proposals, ks)]
-            ngram_used += sum(1 for p in proposals if p)
-            out = drafter.propose(active, tokens, feats, head_ks)
-            proposals = [p or d for p, d in zip(proposals, out)]
+        for src in sources:
+            want = [0 if p else kk for p, kk in zip(proposals, ks)]
+            if src == "draft":  # the head reads every verified position, drafting or not: its cache
+                out = drafter.propose(active, tokens, feats, want)  # must stay complete
+            else:
+                lookup = ngram_lookup if src == "ngram" else table.propose
+                out = [lookup(tokens[i], kk) if kk else [] for i, kk in zip(active, want)]
+            for j, d in enumerate(out):
+                if d and not proposals[j]:
+                    proposals[j] = d
+                    used[src] += 1
         draft_time += time.perf_counter() - t0
         # verify: [last token, drafts] for every active sequence, in one packed target forward
         q_lens = [1 + len(p) for p in proposals]
@@ -191,7 +204,7 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
         "mean_acceptance_length": 1 + total_accepted / drafts if drafts else 1.0,
         # the first new token comes from the prefill, every later one from a verify step
         "tokens_per_verify_step": (sum(map(len, outputs)) - n) / verify_steps if verify_steps else 0.0,
-        "ngram_drafts": ngram_used,
+        "drafts_by_source": used,
         "draft_seconds": draft_time,
     }
 
@@ -248,6 +261,7 @@ def main(argv=None) -> None:
     if args.full_vocab:
         vocab = None
     prompts = eval_prompts(tokenizer, args.prompts, args.prompt_len)
+    table = TokenTable.build(token_chunks(tokenizer, split_files()[0], 256), target.config.vocab_size)
     # the target's greedy continuations, by a real speculative run (n-gram drafts, the target verifying)
     t0 = time.perf_counter()
     real = speculative_generate(target, prompts, args.max_new_tokens, 6, "ngram")
@@ -263,14 +277,14 @@ def main(argv=None) -> None:
     for method in args.methods.split(","):
         for k in map(int, args.ks.split(",")):
             t0 = time.perf_counter()
-            r = speculative_generate(target, prompts, args.max_new_tokens, k, method, head, vocab, reference)
+            r = speculative_generate(target, prompts, args.max_new_tokens, k, method, head, vocab, reference, table)
             r["seconds"] = time.perf_counter() - t0
             r["mismatched_outputs"] = sum(o != ref[len(p):] for o, ref, p in zip(r.pop("outputs"), reference[0], prompts))
             r.update(method=method, k=k, mode="replay")
             results.append(r)
             print(f"{method:9s} k={k} first {r['first_token_acceptance']:.3f} per-verify {r['tokens_per_verify_step']:.2f} "
                   f"accepted/pos {r['num_accepted_tokens_per_pos']} drafts {r['num_drafts']} "
-                  f"ngram drafts {r['ngram_drafts']} {r['seconds']:.0f} s", flush=True)
+                  f"by source {r['drafts_by_source']} {r['seconds']:.0f} s", flush=True)
     rows = vocab.numel() if vocab is not None else target.config.vocab_size
     cost = draft_cost(target, head, rows)
     print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, time {cost['ratio_time']:.3f}")
