@@ -242,37 +242,78 @@ def draft_cost(target, head: DraftHead, vocab_rows: int, context: int = 384, rep
             "ratio_time": t_draft / t_target, "draft_vocab_rows": vocab_rows, "context": context}
 
 
+def target_reference(target, prompts: list[list[int]], max_new_tokens: int, path: str | None = None):
+    """(reference for speculative_generate's replay, the real n-gram run's counters, tie flips).
+
+    The continuations come from a real speculative run (n-gram drafts at k = 6, the target
+    verifying), then one prefill of prompt + continuation gives the features at every position.
+    tie_flips counts positions where that prefill's greedy token differs from the continuation
+    (batched fp32 arithmetic rounding a near-tie the other way): the replay's premise is that it is 0.
+    Cached in `path` if given: the target is the expensive part."""
+    if path and Path(path).exists():
+        saved = torch.load(path)
+        if saved["prompts"] == prompts and saved["max_new_tokens"] == max_new_tokens:
+            return (saved["tokens"], list(saved["features"])), saved["real"], saved["tie_flips"]
+    t0 = time.perf_counter()
+    real = speculative_generate(target, prompts, max_new_tokens, 6, "ngram")
+    real.update(method="ngram", k=6, mode="target verifies", seconds=time.perf_counter() - t0)
+    full = torch.tensor([p + o for p, o in zip(prompts, real.pop("outputs"))])
+    feats, greedy = target_features_batch(target, full)
+    tie_flips = int((greedy[:, len(prompts[0]) - 1:-1] != full[:, len(prompts[0]):]).sum())
+    print(f"real n-gram run k=6: first {real['first_token_acceptance']:.3f} per-verify "
+          f"{real['tokens_per_verify_step']:.2f} ({real['seconds']:.0f} s); prefill disagrees on {tie_flips} tokens", flush=True)
+    if path:
+        torch.save({"prompts": prompts, "max_new_tokens": max_new_tokens, "tokens": full.tolist(),
+                    "features": feats, "real": real, "tie_flips": tie_flips}, path)
+    return (full.tolist(), list(feats)), real, tie_flips
+
+
+def vllm_comparison(target, prompts, reference, head_dir, head, k: int, max_new_tokens: int) -> dict:
+    """The same head in vLLM (method "eagle", which ranks the full vocabulary) against our replay with
+    the full vocabulary, on the same prompts: outputs, drafts and accepted counts per position."""
+    from radarlab.validate.vllm import run_vllm
+
+    resp = run_vllm({"prompts": prompts, "max_tokens": max_new_tokens, "logprobs": 0, "ignore_eos": True,
+                     "speculative_config": {"method": "eagle", "model": str(Path(head_dir).resolve()),
+                                            "num_speculative_tokens": k}})
+    ref = ([t for t in reference[0][:len(prompts)]], reference[1][:len(prompts)])
+    ours = speculative_generate(target, prompts, max_new_tokens, k, "draft", head, None, ref)
+    spec = {name: v for name, v in resp["metrics"].items() if "spec_decode" in name}
+    outs = [o["token_ids"] for o in resp["outputs"]]
+    row = {"k": k, "prompts": len(prompts), "vllm_metrics": spec, "vllm_generate_s": resp["generate_s"],
+           "vllm_outputs_equal_ours": sum(o == r[len(p):] for o, r, p in zip(outs, ref[0], prompts)),
+           "ours": {key: ours[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos",
+                                               "first_token_acceptance", "tokens_per_verify_step")}}
+    print(f"vLLM eagle k={k}: {spec}; outputs equal ours {row['vllm_outputs_equal_ours']}/{len(prompts)}; "
+          f"ours {row['ours']}", flush=True)
+    return row
+
+
 def main(argv=None) -> None:
     from radarlab.hardware.machine import environment
     from radarlab.models.llama import Llama
 
     ap = argparse.ArgumentParser(description="Greedy speculative generation with the draft head on held-out prompts")
-    ap.add_argument("--head", required=True, help="directory written by radarlab.spec.train_draft")
+    ap.add_argument("--head", default=None, help="directory written by radarlab.spec.train_draft")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--reference", default=None, help="file caching the target's continuations and features")
+    ap.add_argument("--vllm", type=int, default=0, metavar="N",
+                    help="also run vLLM's EAGLE method with this head on the first N prompts and compare")
+    ap.add_argument("--vllm-k", type=int, default=4)
     ap.add_argument("--full-vocab", action="store_true", help="rank all 49,152 tokens, not the draft vocabulary")
     args = ap.parse_args(argv)
     target, tokenizer = Llama.from_pretrained()
-    head, vocab = load_head(args.head, target.config)
+    head, vocab = load_head(args.head, target.config) if args.head else (None, None)
     if args.full_vocab:
         vocab = None
     prompts = eval_prompts(tokenizer, args.prompts, args.prompt_len)
     table = TokenTable.build(token_chunks(tokenizer, split_files()[0], 256), target.config.vocab_size)
-    # the target's greedy continuations, by a real speculative run (n-gram drafts, the target verifying)
-    t0 = time.perf_counter()
-    real = speculative_generate(target, prompts, args.max_new_tokens, 6, "ngram")
-    real.update(method="ngram", k=6, mode="target verifies", seconds=time.perf_counter() - t0)
-    full = torch.tensor([p + o for p, o in zip(prompts, real.pop("outputs"))])
-    feats, greedy = target_features_batch(target, full)
-    # the replay's premise, checked: a prefill of the continuation predicts the continuation
-    tie_flips = int((greedy[:, args.prompt_len - 1:-1] != full[:, args.prompt_len:]).sum())
-    print(f"real n-gram run k=6: first {real['first_token_acceptance']:.3f} per-verify "
-          f"{real['tokens_per_verify_step']:.2f} ({real['seconds']:.0f} s); prefill disagrees on {tie_flips} tokens", flush=True)
-    reference = (full.tolist(), list(feats))
+    reference, real, tie_flips = target_reference(target, prompts, args.max_new_tokens, args.reference)
     results = [real]
     for method in args.methods.split(","):
         for k in map(int, args.ks.split(",")):
@@ -286,9 +327,12 @@ def main(argv=None) -> None:
                   f"accepted/pos {r['num_accepted_tokens_per_pos']} drafts {r['num_drafts']} "
                   f"by source {r['drafts_by_source']} {r['seconds']:.0f} s", flush=True)
     rows = vocab.numel() if vocab is not None else target.config.vocab_size
-    cost = draft_cost(target, head, rows)
-    print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, time {cost['ratio_time']:.3f}")
-    out = {"machine": environment(), "head": str(args.head), "prompts": args.prompts, "prompt_len": args.prompt_len,
+    cost = draft_cost(target, head, rows) if head is not None else None
+    if cost:
+        print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, time {cost['ratio_time']:.3f}")
+    vllm_rows = vllm_comparison(target, prompts[:args.vllm], reference, args.head, head, args.vllm_k,
+                                args.max_new_tokens) if args.vllm and head is not None else None
+    out = {"machine": environment(), "vllm": vllm_rows, "head": str(args.head), "prompts": args.prompts, "prompt_len": args.prompt_len,
            "max_new_tokens": args.max_new_tokens, "draft_vocab_rows": rows, "prefill_tie_flips": tie_flips,
            "results": results, "cost": cost}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
