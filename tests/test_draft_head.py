@@ -185,3 +185,20 @@ def test_replay_gives_the_counters_of_the_real_run(tiny, head, method):
     replay = speculative_generate(tiny, prompts, 16, 3, method, head, reference=(full.tolist(), list(feats)))
     for key in ("outputs", "num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos", "verify_steps"):
         assert replay[key] == real[key], key
+
+
+def test_linear_init_fits_a_linear_target(tiny):
+    """If f_{t+1} is exactly a linear function of [e(x_{t+1}), f_t], the initial map recovers it."""
+    from radarlab.spec.train_draft import linear_init
+
+    torch.manual_seed(7)
+    h = tiny.config.hidden_size
+    ids = torch.randint(0, 128, (6, 40))
+    w = torch.randn(h, 2 * h) / 8
+    feats = torch.zeros(6, 40, h)
+    feats[:, 0] = torch.randn(6, h)
+    with torch.no_grad():
+        for t in range(39):
+            feats[:, t + 1] = torch.cat((tiny.embed_tokens(ids[:, t + 1]), feats[:, t]), -1) @ w.T
+    got = linear_init(tiny.embed_tokens, {"tokens": ids, "features": feats}, ridge=1e-9)
+    assert torch.allclose(got, w, atol=1e-3)

@@ -76,6 +76,18 @@ def unrolled_forward(head: DraftHead, embeds: torch.Tensor, features: torch.Tens
     return outs
 
 
+@torch.no_grad()
+def linear_init(embed, data: dict, ridge: float, max_rows: int = 65536) -> torch.Tensor:
+    """W [H, 2H] minimising |[e(x_{t+1}), f_t] W^T - f_{t+1}|^2 + ridge |W|^2 over the cached rows
+    (at most max_rows positions): the linear predictor the head starts from."""
+    tokens, feats = data["tokens"].long(), data["features"].float()
+    x = torch.cat((embed(tokens[:, 1:]), feats[:, :-1]), dim=-1).reshape(-1, 2 * feats.shape[-1])[:max_rows]
+    y = feats[:, 1:].reshape(-1, feats.shape[-1])[:max_rows]
+    gram = x.T @ x
+    gram += ridge * gram.diagonal().mean() * torch.eye(gram.shape[0])
+    return torch.linalg.solve(gram, x.T @ y).T
+
+
 def unrolled_loss(head, embed, lm_rows, batch, passes: int, vocab_index: torch.Tensor, reg_weight: float):
     """(loss, per-pass greedy accuracy). batch: tokens, features, greedy [B, L]. Position i of a row
     reads (f_i, token i+1) and is scored on greedy token i+1 and feature f_{i+1}; pass p is scored
@@ -101,7 +113,7 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
           vocab_size: int = 8192, lr: float = 1e-3, reg_weight: float = 0.1, seed: int = 0,
           time_limit_s: float | None = None, log=print, log_every: int = 25, hf_config: dict | None = None,
           intermediate_size: int | None = None, vocab: torch.Tensor | None = None,
-          reload_every: int = 100) -> dict:
+          reload_every: int = 100, ridge: float = 1e-2) -> dict:
     """Train a fresh head on the cached rows; checkpoint to `out` (fp16) as it goes. Returns a summary.
 
     data: the cached rows (a dict), or a function returning them, called again every reload_every
@@ -114,9 +126,13 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
     torch.manual_seed(seed)
     cfg = draft_config(model.config, intermediate_size)
     head = DraftHead(cfg)
-    with torch.no_grad():  # start near the identity on the feature path: output ~ input feature
-        head.fc.weight.zero_()
-        head.fc.weight[:, cfg.hidden_size:].copy_(torch.eye(cfg.hidden_size))
+    with torch.no_grad():
+        # start as the best linear map [embedding of token t+1, f_t] -> f_{t+1} (least squares), with
+        # the layer's two output projections zeroed so that it passes fc's output through unchanged;
+        # training then learns what the linear map cannot
+        head.fc.weight.copy_(linear_init(model.embed_tokens, data, ridge))
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
     if vocab is None:
         vocab = draft_vocabulary(data["greedy"], vocab_size, cfg.vocab_size)
     vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
