@@ -144,12 +144,14 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
     accepted = [0] * k
     drafts = draft_tokens = verify_steps = 0
     used = dict.fromkeys(sources, 0)
+    used_accepted = dict.fromkeys(sources, 0)  # drafts per source whose first token was accepted
     draft_time = 0.0
     active = [i for i in range(n) if max_new_tokens > 1]
     while active:
         ks = [min(k, max_new_tokens - (len(tokens[i]) - len(prompts[i])) - 1) for i in active]
         t0 = time.perf_counter()
         proposals: list[list[int]] = [[] for _ in active]
+        origin: list[str | None] = [None] * len(active)
         for src in sources:
             want = [0 if p else kk for p, kk in zip(proposals, ks)]
             if src == "draft":  # the head reads every verified position, drafting or not: its cache
@@ -159,7 +161,7 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
                 out = [lookup(tokens[i], kk) if kk else [] for i, kk in zip(active, want)]
             for j, d in enumerate(out):
                 if d and not proposals[j]:
-                    proposals[j] = d
+                    proposals[j], origin[j] = d, src
                     used[src] += 1
         draft_time += time.perf_counter() - t0
         # verify: [last token, drafts] for every active sequence, in one packed target forward
@@ -187,6 +189,7 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
                 draft_tokens += len(p)
                 for pos in range(a):
                     accepted[pos] += 1
+                used_accepted[origin[j]] += a > 0
             feats[i] = torch.cat((feats[i], fv[lo:lo + a + 1]))
             tokens[i] += p[:a] + [greedy[lo + a]]
             if len(tokens[i]) - len(prompts[i]) < max_new_tokens:
@@ -205,6 +208,7 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
         # the first new token comes from the prefill, every later one from a verify step
         "tokens_per_verify_step": (sum(map(len, outputs)) - n) / verify_steps if verify_steps else 0.0,
         "drafts_by_source": used,
+        "first_accepted_by_source": used_accepted,
         "draft_seconds": draft_time,
     }
 
