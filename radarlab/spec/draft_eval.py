@@ -214,7 +214,7 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
 
 
 @torch.inference_mode()
-def draft_cost(target, head: DraftHead, vocab_rows: int, context: int = 384, reps: int = 20) -> dict:
+def draft_cost(target, head: DraftHead, vocab_rows: int, context: int = 384, reps: int = 10) -> dict:
     """The draft's cost per token against the target's, three ways: FLOPs (weights' multiply-adds,
     LM head included), bytes of weights read per decode step at batch 1 (fp16), and the measured time
     of one batch-1 decode step of each (ours, contiguous cache, median of reps)."""
@@ -316,7 +316,9 @@ def main(argv=None) -> None:
     if args.full_vocab:
         vocab = None
     prompts = eval_prompts(tokenizer, args.prompts, args.prompt_len)
-    table = TokenTable.build(token_chunks(tokenizer, split_files()[0], 256), target.config.vocab_size)
+    table = None
+    if any("table" in parse_method(m) for m in args.methods.split(",")):
+        table = TokenTable.build(token_chunks(tokenizer, split_files()[0], 256), target.config.vocab_size)
     reference, real, tie_flips = target_reference(target, prompts, args.max_new_tokens, args.reference)
     results = [real]
     for method in args.methods.split(","):
