@@ -25,7 +25,7 @@ from radarlab.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
 
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
-VOCAB_FILE = "draft_vocab.safetensors"
+VOCAB_FILE = "draft_vocab.json"  # not .safetensors: vLLM loads every safetensors file it finds
 
 
 class DraftHead(nn.Module):
@@ -95,10 +95,11 @@ def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,
     save_file(state, str(directory / WEIGHTS_FILE))
     cfg = dict(target_hf_config)
     cfg.update(num_hidden_layers=1, intermediate_size=head.config.intermediate_size,
-               architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).removeprefix("torch."))
+               architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).removeprefix("torch."),
+               dtype=str(dtype).removeprefix("torch."))
     (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
     if draft_vocab is not None:
-        save_file({"draft_vocab": draft_vocab.to(torch.int32).contiguous()}, str(directory / VOCAB_FILE))
+        (directory / VOCAB_FILE).write_text(json.dumps(draft_vocab.tolist()) + "\n")
     return directory
 
 
@@ -118,5 +119,5 @@ def load_head(directory: str | Path, target: LlamaConfig, dtype=torch.float32) -
     if missing or unexpected:
         raise ValueError(f"draft head weights do not match: missing {missing}, unexpected {unexpected}")
     vocab_path = directory / VOCAB_FILE
-    vocab = load_file(str(vocab_path))["draft_vocab"].long() if vocab_path.exists() else None
+    vocab = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long) if vocab_path.exists() else None
     return head.to(dtype).eval(), vocab

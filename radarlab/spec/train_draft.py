@@ -113,7 +113,7 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
           vocab_size: int = 8192, lr: float = 1e-3, reg_weight: float = 0.1, seed: int = 0,
           time_limit_s: float | None = None, log=print, log_every: int = 25, hf_config: dict | None = None,
           intermediate_size: int | None = None, vocab: torch.Tensor | None = None,
-          reload_every: int = 100, ridge: float = 1e-2) -> dict:
+          reload_every: int = 100, ridge: float = 1e-2, save_every: int = 25) -> dict:
     """Train a fresh head on the cached rows; checkpoint to `out` (fp16) as it goes. Returns a summary.
 
     data: the cached rows (a dict), or a function returning them, called again every reload_every
@@ -158,26 +158,33 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
     history = []
     step = 0
     for step in range(1, steps + 1):
-        if step % reload_every == 0:
-            data = load()
-            if data["tokens"].shape[0] != rows:
-                rows = data["tokens"].shape[0]
-                coverage = float((vocab_index[data["greedy"].long()] >= 0).float().mean())
-                log(f"now {rows} rows; draft vocabulary covers {coverage:.1%} of greedy tokens")
-        idx = torch.randint(rows, (batch_rows,), generator=gen)
-        loss, accs = unrolled_loss(head, embed, lm_rows, {k: v[idx] for k, v in data.items()}, passes, vocab_index, reg_weight)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        try:
+            if step % reload_every == 0:
+                data = load()
+                if data["tokens"].shape[0] != rows:
+                    rows = data["tokens"].shape[0]
+                    coverage = float((vocab_index[data["greedy"].long()] >= 0).float().mean())
+                    log(f"now {rows} rows; draft vocabulary covers {coverage:.1%} of greedy tokens")
+            idx = torch.randint(rows, (batch_rows,), generator=gen)
+            loss, accs = unrolled_loss(head, embed, lm_rows, {k: v[idx] for k, v in data.items()}, passes,
+                                       vocab_index, reg_weight)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            opt.step()
+            sched.step()
+        except KeyboardInterrupt:  # Ctrl-C (SIGINT): keep what was learnt so far
+            save_head(head, out, hf_config or {}, vocab)
+            log(f"interrupted at step {step}; saved")
+            step -= 1
+            break
         history.append((float(loss.detach()), accs))
         if step % log_every == 0 or step == steps:
             recent = history[-log_every:]
             mean_acc = [sum(a[p] for _, a in recent) / len(recent) for p in range(passes)]
             log(f"step {step}/{steps} loss {sum(l for l, _ in recent) / len(recent):.3f} "
                 f"acc per pass {[round(a, 3) for a in mean_acc]} {time.perf_counter() - start:.0f} s")
-        if step % 200 == 0 or step == steps:
+        if step % save_every == 0 or step == steps:
             save_head(head, out, hf_config or {}, vocab)
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
             save_head(head, out, hf_config or {}, vocab)
