@@ -77,3 +77,13 @@ def test_preemption_cost_and_crossover_agree():
 def test_a_slow_device_never_recomputes_and_a_fast_one_recomputes_short_contexts():
     assert swap_recompute_crossover(TINY, link_bytes_per_s=1e12, flops_per_s=1e6) is None
     assert preemption_cost(TINY, 10, 1e12, 1e6).cheaper == "swap"
+
+
+def test_verify_step_multiplies_flops_not_bytes():
+    """A verify step of k + 1 tokens per sequence: k + 1 times the FLOPs of a decode step, the same bytes."""
+    one = decode_step(LLAMA_70B, 8, 1024)
+    verify = decode_step(LLAMA_70B, 8, 1024, query_len=5)
+    assert verify.flops == pytest.approx(5 * one.flops)
+    assert (verify.weight_bytes, verify.kv_bytes) == (one.weight_bytes, one.kv_bytes)
+    with pytest.raises(ValueError, match="query_len"):
+        decode_step(LLAMA_70B, 8, 1024, query_len=0)

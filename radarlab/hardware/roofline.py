@@ -112,9 +112,13 @@ def flops_per_token(dims: TransformerDims, context: int) -> float:
 
 
 def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: str = "bf16",
-                kv_dtype: str = "bf16", group_size: int = 128) -> DecodeStep:
-    """Cost of one decode step: weights read once per step, each sequence's KV read once."""
+                kv_dtype: str = "bf16", group_size: int = 128, query_len: int = 1) -> DecodeStep:
+    """Cost of one decode step: weights read once per step, each sequence's KV read once.
+
+    query_len > 1 is a speculative verify step: each sequence runs its last token and query_len - 1
+    drafts in one pass, so the FLOPs grow query_len times while the bytes stay those of one step."""
     batch = require_int("batch", batch)
+    query_len = require_int("query_len", query_len)
     if weight_dtype not in _WEIGHT_BYTES:
         raise ValueError(f"weight_dtype must be one of {sorted(_WEIGHT_BYTES)}, got {weight_dtype!r}")
     # Any kv_cache_dtype of the table of formats (radarlab.quant.formats), scales and zero points counted.
@@ -122,7 +126,7 @@ def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: s
     return DecodeStep(
         batch=batch,
         context=context,
-        flops=batch * flops_per_token(dims, context),
+        flops=batch * query_len * flops_per_token(dims, context),
         weight_bytes=dims.matmul_params * _WEIGHT_BYTES[weight_dtype],
         kv_bytes=batch * context * per_token_kv,
     )
