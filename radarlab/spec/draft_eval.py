@@ -13,6 +13,10 @@ prompt is generated with real speculative decoding, all prompts packed in one ba
    own next token (the bonus); rejected positions are overwritten by the next step.
 
 The output must equal plain greedy decoding token for token; the run counts any difference.
+The command runs the target for real once (n-gram drafts, k = 6, which yields the greedy
+continuations) and replays every table row against those continuations and their prefill features
+(speculative_generate's `reference`): the same drafts and counts as with the target verifying (a
+test checks this), at the cost of the draft alone.
 Reported as vLLM names them: drafts, draft tokens, accepted per position, mean acceptance length,
 tokens per verify step (accepted + bonus; every verify step counts, with or without a draft); and
 the draft's cost per token against the target's. First-token acceptance is over steps with a draft.
