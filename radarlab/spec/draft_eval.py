@@ -4,16 +4,22 @@
 Prompts are held-out standard-library files (radarlab.spec.draft_data's split). For each k, every
 prompt is generated with real speculative decoding, all prompts packed in one batch:
 
-1. the proposer drafts up to k tokens (the head: catch up on the positions the target verified last
-   step, with the target's true features, then k - 1 steps on its own features; the n-gram: prompt
-   lookup; combined: the n-gram when it matches, else the head);
+1. the proposer drafts up to k tokens. A method is a chain of sources tried in order, the first with
+   a guess drafting: "draft" (the head: catch up on the positions the target verified last step,
+   with the target's true features, then k - 1 steps on its own features), "ngram" (prompt lookup),
+   "table" (radarlab.spec.token_table); e.g. "ngram+draft";
 2. the target runs once over [last token, drafts] on its contiguous cache;
 3. the longest prefix of drafts equal to the target's greedy tokens is accepted, plus the target's
    own next token (the bonus); rejected positions are overwritten by the next step.
 
 The output must equal plain greedy decoding token for token; the run counts any difference.
+The command runs the target for real once (n-gram drafts, k = 6, which yields the greedy
+continuations) and replays every table row against those continuations and their prefill features
+(speculative_generate's `reference`): the same drafts and counts as with the target verifying (a
+test checks this), at the cost of the draft alone.
 Reported as vLLM names them: drafts, draft tokens, accepted per position, mean acceptance length,
-tokens per verify step (accepted + bonus); and the draft's cost per token against the target's.
+tokens per verify step (accepted + bonus; every verify step counts, with or without a draft); and
+the draft's cost per token against the target's. First-token acceptance is over steps with a draft.
 """
 from __future__ import annotations
 
