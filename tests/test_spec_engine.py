@@ -202,12 +202,14 @@ def test_bad_speculative_config_raises(tiny):
 
 def test_course_model_greedy_speculation_equals_plain_greedy(model, prompts):
     """fp32, the course model: n-gram under preemption, and an 8-layer early-exit draft."""
-    batch = prompts[:3]
-    plain = Engine(model, num_blocks=64).generate(batch, SamplingParams(max_tokens=12))
+    batch = prompts[:2]
+    plain = Engine(model, num_blocks=64).generate(batch, SamplingParams(max_tokens=8))
     ref = [o.output_token_ids for o in plain]
     for config, num_blocks in [({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
-                                 "prompt_lookup_max": 2}, 5),
+                                 "prompt_lookup_max": 2}, 6),
                                (draft_config(truncated_copy(model, 8)), 64)]:
-        engine = Engine(model, num_blocks=num_blocks, max_num_seqs=3, speculative_config=config)
-        assert [o.output_token_ids for o in engine.generate(batch, SamplingParams(max_tokens=12))] == ref
+        engine = Engine(model, num_blocks=num_blocks, block_size=4, speculative_config=config)
+        assert [o.output_token_ids for o in engine.generate(batch, SamplingParams(max_tokens=8))] == ref
         assert engine.spec_stats.num_drafts > 0
+        if num_blocks == 6:
+            assert engine.scheduler.num_preemptions > 0

@@ -177,6 +177,10 @@ class Engine:
             return
         for request, k, proposal in zip(ready, limits, self.proposer.propose(ready, limits)):
             drafts = proposal.draft_token_ids[:k]
+            bad = [t for t in drafts if not 0 <= t < self.model.config.vocab_size]
+            if bad:
+                raise ValueError(f"the proposer drafted token ids {bad} for request {request.request_id!r}, outside "
+                                 f"the target's vocabulary (0..{self.model.config.vocab_size - 1})")
             if drafts:
                 request.spec_token_ids = drafts
                 request.spec_probs = None if proposal.draft_probs is None else proposal.draft_probs[:len(drafts)]

@@ -21,8 +21,13 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   several (accepted drafts); `free` releases it.
 
 Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer.
-A trained draft plugs in as a DraftModelProposer (a causal LM with the target's vocabulary), or as
-any other class with these two methods and a num_speculative_tokens attribute.
+A trained draft plugs in as a DraftModelProposer: pass it as
+`Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
+where draft is a radarlab Llama (or anything with its forward signature and a .config with
+vocab_size, num_layers, num_kv_heads, head_dim) or the path of a Llama checkpoint with the target's
+vocabulary. Any other kind of draft (an EAGLE-style head reading the target's hidden states) is a
+class with these two methods and a num_speculative_tokens attribute; set it as engine.proposer and
+create engine.spec_stats = SpecDecodingStats(k) (radarlab.spec.metrics) to count its acceptance.
 """
 from __future__ import annotations
 
