@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import torch
 
-import radarlab.engine  # noqa: F401  first: radarlab.spec.rejection imported alone meets an import cycle
 from radarlab.checks import check_expected_tokens_per_step, check_ngram_draft, check_verify_stochastic
 from radarlab.spec.ngram import ngram_draft
 from radarlab.spec.rejection import verify_stochastic
