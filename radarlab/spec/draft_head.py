@@ -1,0 +1,123 @@
+"""An EAGLE-style draft head: one decoder layer that runs on the target's own features.
+
+The target's last hidden state after its final norm, f_t, is what its LM head reads to predict
+token t+1. The head takes f_t and the embedding of token t+1, fuses them with one linear map
+(fc: [embed, feature] -> hidden), runs one Llama decoder layer (no input norm) and outputs g_t, an
+estimate of f_{t+1}. The target's frozen LM head turns g_t into a guess for token t+2, and g_t is
+fed back as the feature for the next draft step. Embedding and LM head are the target's, so the
+head owns only fc and one layer: 4.2 M parameters for the course model.
+
+This is the layout vLLM's EAGLE-1 Llama head uses (vllm/model_executor/models/llama_eagle.py):
+checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden layer, no final norm,
+embedding and LM head shared with the target when the checkpoint has none.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from radarlab.models.linear import Linear
+from radarlab.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
+
+WEIGHTS_FILE = "model.safetensors"
+CONFIG_FILE = "config.json"
+VOCAB_FILE = "draft_vocab.json"  # not .safetensors: vLLM loads every safetensors file it finds
+
+
+class DraftHead(nn.Module):
+    """fc over [token embedding, target feature], then one decoder layer without its input norm."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.fc = Linear(2 * h, h, bias=False)
+        self.layer = DecoderLayer(config, 0)
+        self.layer.input_layernorm = nn.Identity()  # the fused input is not normed (as EAGLE)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        freqs = positions.to(self.inv_freq.device).float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                kv_cache, meta) -> torch.Tensor:
+        """Packed [T, hidden] embeddings of tokens t+1 and features f_t -> [T, hidden] estimates of f_{t+1}."""
+        if token_embeds.shape != features.shape or token_embeds.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"token_embeds {tuple(token_embeds.shape)} and features {tuple(features.shape)} "
+                             f"must both be [T, {self.config.hidden_size}]")
+        x = self.fc(torch.cat((token_embeds, features), dim=-1))
+        cos, sin = self.rope(positions, x.dtype)
+        return self.layer(x, cos, sin, kv_cache, meta)
+
+    def flops_per_token(self, vocab_size: int) -> int:
+        """Multiply-adds x 2 of one draft step, LM head over vocab_size rows included (attention's
+        score/value products are left out: they depend on the context length)."""
+        own = sum(p.numel() for p in self.parameters())  # fc and the layer's matrices; norms are noise
+        return 2 * (own + vocab_size * self.config.hidden_size)
+
+
+def draft_config(target: LlamaConfig, intermediate_size: int | None = None) -> LlamaConfig:
+    """The head's config: the target's, with one layer (and, if given, a narrower MLP)."""
+    fields = asdict(target)
+    fields["num_layers"] = 1
+    if intermediate_size is not None:
+        fields["intermediate_size"] = intermediate_size
+    return LlamaConfig(**fields)
+
+
+def final_features(model, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+    """The target's normed last hidden states [T, hidden] (what its LM head reads), for packed tokens."""
+    x = model.embed_tokens(input_ids)
+    cos, sin = model.rope(positions, x.dtype)
+    for layer in model.layers:
+        x = layer(x, cos, sin, kv_cache, meta)
+    return model.norm(x)
+
+
+def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,
+              draft_vocab: torch.Tensor | None = None, dtype=torch.float16) -> Path:
+    """Write the head in vLLM's EAGLE layout: model.safetensors (fc.weight, layers.0.*) and a one-layer
+    Llama config.json. The draft vocabulary (token ids the head was trained to rank) goes alongside."""
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {}
+    for name, t in head.state_dict().items():
+        key = name.replace("layer.", "layers.0.", 1) if name.startswith("layer.") else name
+        state[key] = t.detach().to(dtype).contiguous()
+    save_file(state, str(directory / WEIGHTS_FILE))
+    cfg = dict(target_hf_config)
+    cfg.update(num_hidden_layers=1, intermediate_size=head.config.intermediate_size,
+               architectures=["LlamaForCausalLM"], torch_dtype=str(dtype).removeprefix("torch."),
+               dtype=str(dtype).removeprefix("torch."))
+    (directory / CONFIG_FILE).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n")
+    if draft_vocab is not None:
+        (directory / VOCAB_FILE).write_text(json.dumps(draft_vocab.tolist()) + "\n")
+    return directory
+
+
+def load_head(directory: str | Path, target: LlamaConfig, dtype=torch.float32) -> tuple[DraftHead, torch.Tensor | None]:
+    """(head, draft vocabulary or None) from a directory save_head wrote; the target's config must match."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    cfg = json.loads((directory / CONFIG_FILE).read_text())
+    for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
+                      ("num_attention_heads", target.num_heads), ("num_key_value_heads", target.num_kv_heads)):
+        if cfg.get(key) != ours:
+            raise ValueError(f"draft head {key}={cfg.get(key)} does not match the target's {ours}")
+    head = DraftHead(draft_config(target, cfg.get("intermediate_size")))
+    state = {k.replace("layers.0.", "layer.", 1): v.to(dtype) for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"draft head weights do not match: missing {missing}, unexpected {unexpected}")
+    vocab_path = directory / VOCAB_FILE
+    vocab = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long) if vocab_path.exists() else None
+    return head.to(dtype).eval(), vocab
