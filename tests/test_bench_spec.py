@@ -10,7 +10,7 @@ from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.speculation import SpecBenchConfig, format_table, goal, speedups, workload_prompts
 from radarlab.bench.workload import copy_prompts, free_prompts, source_functions
 from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
-                                         VLLM_NUM_DRAFTS, SpecRun, spec_counters)
+                                         VLLM_NUM_DRAFTS, SpecRun, counters_agree, spec_counters)
 
 
 def test_copy_and_free_prompts_are_seeded_prefixes():
@@ -52,6 +52,20 @@ def test_spec_run_rates():
     assert (run.acceptance_rate, run.mean_accepted) == (0.4, 1.6)
     plain = SpecRun([[1] * 4], 1.0)
     assert plain.acceptance_rate is None and plain.mean_accepted is None
+
+
+def test_counters_agree_allows_only_each_requests_last_draft():
+    # measured: the code-copy prompt, 256 tokens, n-gram k=5 min 2 max 4, ours vs vLLM 0.32 (fp32)
+    ours = SpecRun([[0] * 256], 1.0, 50, 246, 165, [40, 36, 31, 29, 29])
+    vllm = SpecRun([[0] * 256], 1.0, 51, 255, 165, [40, 36, 31, 29, 29])
+    assert counters_agree(ours, vllm) and counters_agree(ours, ours)
+    assert not counters_agree(vllm, ours)  # we never draft more than vLLM
+    assert counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 168, [41, 37, 32, 29, 29]))
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 167, [42, 36, 31, 29, 29]))  # 2 more at pos 0
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 53, 255, 165, [40, 36, 31, 29, 29]))  # 3 more drafts
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 166, [40, 36, 31, 29, 29]))  # sum mismatch
+    two = SpecRun([[0] * 8] * 2, 1.0, 4, 10, 5, [3, 2])
+    assert counters_agree(two, SpecRun([[0] * 8] * 2, 1.0, 6, 14, 9, [5, 4]))  # one more per request
 
 
 def row(system, method, workload, b, tps):
@@ -132,6 +146,6 @@ def test_tiny_run_with_vllm(tmp_path):
         same = [e for e in doc["outputs_equal"] if e["system"] == "vllm" and e["method"] == "ngram"
                 and e["workload"] == w]
         if same and same[0]["equal_to_radarlab_plain"] == 1.0:
-            ours, theirs = by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]
-            assert ours["num_accepted_tokens_per_pos"] == theirs["num_accepted_tokens_per_pos"]
-            assert ours["num_drafts"] == theirs["num_drafts"]
+            ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0, **{k: r[k] for k in SpecRun([], 1.0).counters()})
+                            for r in (by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]))
+            assert counters_agree(ours, theirs), (ours.counters(), theirs.counters())

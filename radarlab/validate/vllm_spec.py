@@ -6,9 +6,9 @@ every generate() call; vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.
 so a batch's own counts are the difference of two snapshots.
 
 In fp32, greedy, with the same tokens, the n-gram proposer is a pure function of the tokens so far,
-so drafts, accepted tokens and accepted tokens per position must agree exactly wherever the output
-tokens agree. A draft model (here the course model drafting for itself) agrees as far as the two
-engines' fp32 logits agree.
+so drafts, accepted tokens and accepted tokens per position agree wherever the output tokens agree,
+except at each request's end (counters_agree says how). A draft model (here the course model
+drafting for itself) agrees as far as the two engines' fp32 logits agree.
 """
 from __future__ import annotations
 
@@ -86,6 +86,23 @@ def vllm_speculative_config(speculative_config: dict | None, model: str | None) 
 
         draft = model or str(resolve_model())
     return {**speculative_config, "model": draft}
+
+
+def counters_agree(ours: SpecRun, vllm: SpecRun) -> bool:
+    """Whether vLLM's counters are ours plus at most one verify step per request at its end.
+
+    The only difference allowed is where each request ends. We cut drafts to the tokens max_tokens
+    still allows (none when one token is left); vLLM's n-gram proposer caps only at max_model_len, so
+    its last drafts may run past max_tokens, and the tokens accepted there are dropped from the
+    output. So per request vLLM may count one more draft, more draft tokens, and one more acceptance
+    at any position; nothing else."""
+    batch, k = len(ours.outputs), max(len(ours.num_accepted_tokens_per_pos), 1)
+    extra_pos = [b - a for a, b in zip(ours.num_accepted_tokens_per_pos, vllm.num_accepted_tokens_per_pos)]
+    return (len(ours.num_accepted_tokens_per_pos) == len(vllm.num_accepted_tokens_per_pos)
+            and 0 <= vllm.num_drafts - ours.num_drafts <= batch
+            and 0 <= vllm.num_draft_tokens - ours.num_draft_tokens <= batch * (2 * k - 1)
+            and all(0 <= d <= batch for d in extra_pos)
+            and vllm.num_accepted_tokens - ours.num_accepted_tokens == sum(extra_pos))
 
 
 def run_vllm_spec(prompt_sets: list[list[list[int]]], max_tokens: int, speculative_config: dict | None,
@@ -168,10 +185,10 @@ def rows(model, tokenizer, max_tokens: int = VALIDATE_MAX_TOKENS) -> list[Row]:
             same = sum(a == b for a, b in zip(ours.outputs, vllm_run.outputs))
             out.append(Row(f"{method} greedy tokens fp32, {name} x {max_tokens}", ref,
                            f"{same}/{len(prompts)} identical", "all identical", same == len(prompts)))
-            counts_equal = ours.counters() == vllm_run.counters()
             out.append(Row(f"{method} drafts / accepted per position, {name}", ref,
-                           f"ours {_counts(ours)}; vLLM {_counts(vllm_run)}", "equal",
-                           counts_equal,
+                           f"ours {_counts(ours)}; vLLM {_counts(vllm_run)}",
+                           "equal but for each request's last draft (vLLM drafts past max_tokens)",
+                           counters_agree(ours, vllm_run),
                            details={"ours": ours.counters(), "vllm": vllm_run.counters()}))
     return out
 
