@@ -159,3 +159,16 @@ def test_readme_package_map_lists_every_module():
 ])
 def test_relative_imports_resolve(importer, module, level, expected):
     assert _absolute(module, level, ROOT / importer) == expected
+
+
+@pytest.mark.parametrize("module", ["radarlab.spec.rejection", "radarlab.spec.draft_model",
+                                    "radarlab.spec.speculative_config", "radarlab.engine.sampler",
+                                    "radarlab.engine.llm_engine"])
+def test_modules_import_first_in_a_fresh_interpreter(module):
+    """The engine uses the spec package and the spec package uses the engine's sampler: whichever a
+    learner imports first must load (no circular import)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -34,8 +34,11 @@ from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.spec.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.spec.draft_head import DraftHead, final_features, load_head
+from radarlab.spec.ngram import ngram_draft
 from radarlab.spec.token_table import TokenTable
 from radarlab.util import require_int
+
+NGRAM_MIN, NGRAM_MAX = 2, 4  # prompt_lookup_min and prompt_lookup_max of the n-gram source
 
 SOURCES = ("ngram", "table", "draft")  # prompt lookup, the token table, the draft head
 METHODS = ("draft", "ngram", "table", "ngram+draft", "ngram+table")
@@ -61,16 +64,9 @@ def eval_prompts(tokenizer, num_prompts: int = 16, prompt_len: int = 256) -> lis
     return [ids[len(ids) // 3:len(ids) // 3 + prompt_len] for ids in encoded[:num_prompts]]
 
 
-def ngram_lookup(tokens: list[int], k: int, n_min: int = 2, n_max: int = 4) -> list[int]:
-    """Prompt lookup with vLLM's rule: the longest suffix n-gram (n_max down to n_min) seen earlier;
-    its leftmost occurrence; the up to k tokens that followed it."""
-    total = len(tokens)
-    for n in range(min(n_max, total - 1), n_min - 1, -1):
-        suffix = tokens[total - n:]
-        for s in range(total - n):
-            if tokens[s:s + n] == suffix:
-                return tokens[s + n:s + n + k]
-    return []
+def ngram_lookup(tokens: list[int], k: int) -> list[int]:
+    """The n-gram source of the evaluator: prompt lookup (radarlab.spec.ngram) with n from 4 down to 2."""
+    return ngram_draft(tokens, NGRAM_MIN, NGRAM_MAX, k)
 
 
 class HeadDrafter:
