@@ -1150,6 +1150,7 @@ def check_per_token_head_scale(per_token_head_scale) -> bool:
             hint = f" (scale = max |x| over head_dim / {top:g})"
         return verdict(name, f"for {description}, the scale of token {i[0]}, head {i[1]} was {float(g[i]):.6g}, "
                              f"expected {float(want[i]):.6g}{hint}")
+    return verdict(name, None)
 
 
 # === notebook 07: INT4 KV cache ========================================================================
@@ -1310,6 +1311,7 @@ def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
                      values / 2 + 2 * groups * sb: " (a symmetric group stores only a scale, no zero point)"}
             hint = next((h for v, h in hints.items() if isinstance(got, (int, float)) and math.isclose(got, v)), "")
             return verdict(name, f"for {description} it returned {got!r}, expected {want}{hint}")
+    return verdict(name, None)
 
 
 # === notebook 08: speculative decoding ==============================================================
