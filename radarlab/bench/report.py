@@ -1,4 +1,4 @@
-"""How every benchmark's JSON is written. Where it ran (environment()) lives in radarlab.hardware.machine."""
+"""How every benchmark's JSON is written, and the comma-separated list flags they share. Where it ran (environment()) lives in radarlab.hardware.machine."""
 from __future__ import annotations
 
 import json
@@ -11,3 +11,16 @@ def write_json(path: str | Path, payload: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
     return path
+
+
+def comma_ints(flag: str, text: str) -> tuple[int, ...]:
+    """A flag like --batch-sizes 1,16,64; ValueError names the flag."""
+    try:
+        return tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
+
+
+def comma_names(text: str) -> tuple[str, ...]:
+    """A flag like --systems radarlab,vllm; blanks dropped."""
+    return tuple(x.strip() for x in text.split(",") if x.strip())

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 
+from radarlab.bench.report import comma_ints, comma_names
 from radarlab.util import require_int
 from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
 
@@ -215,17 +216,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
-    def ints(flag, text):
-        try:
-            return tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
-
-    def names(text):
-        return tuple(x.strip() for x in text.split(",") if x.strip())
-
-    return SpecBenchConfig(batch_sizes=ints("batch-sizes", args.batch_sizes), workloads=names(args.workloads),
-                           methods=names(args.methods), systems=names(args.systems), max_tokens=args.max_tokens,
+    return SpecBenchConfig(batch_sizes=comma_ints("batch-sizes", args.batch_sizes),
+                           workloads=comma_names(args.workloads), methods=comma_names(args.methods),
+                           systems=comma_names(args.systems), max_tokens=args.max_tokens,
                            num_speculative_tokens=args.num_speculative_tokens,
                            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                            draft_k=args.draft_k, draft_model=args.draft_model, seed=args.seed)

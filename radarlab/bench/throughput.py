@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from radarlab.bench.report import comma_ints, comma_names
 from radarlab.bench.workload import random_token_prompts
 from radarlab.hardware.roofline import TransformerDims, decode_step
 from radarlab.util import require_int
@@ -368,17 +369,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     """Raises ValueError naming the bad field (python -m radarlab.bench names its flag)."""
-    def ints(flag, text):
-        try:
-            return tuple(int(x) for x in text.split(","))
-        except ValueError:
-            raise ValueError(f"--{flag}: expected comma-separated integers, got {text!r}") from None
-
-    def names(text):
-        return tuple(x.strip() for x in text.split(",") if x.strip())
-
-    return ThroughputConfig(batch_sizes=ints("batch-sizes", args.batch_sizes), dtypes=names(args.dtypes),
-                            systems=names(args.systems), max_tokens=args.max_tokens,
+    return ThroughputConfig(batch_sizes=comma_ints("batch-sizes", args.batch_sizes),
+                            dtypes=comma_names(args.dtypes), systems=comma_names(args.systems), max_tokens=args.max_tokens,
                             min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len, seed=args.seed,
                             model=args.model, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens)
