@@ -38,9 +38,9 @@ from radarlab.util import cdiv
 DEFAULT_TAIL_SEQUENCES = 64  # tails for this many sequences' windows: the engine's default max_num_seqs
 
 
-def default_tail_groups(fmt: KVFormat) -> int:
-    """Tails for DEFAULT_TAIL_SEQUENCES sequences: each holds its window and one partial group."""
-    return DEFAULT_TAIL_SEQUENCES * (cdiv(fmt.residual, fmt.group_size) + 1)
+def default_tail_groups(fmt: KVFormat, num_seqs: int = DEFAULT_TAIL_SEQUENCES) -> int:
+    """Tails for num_seqs sequences: each holds its window and one partial group."""
+    return num_seqs * (cdiv(fmt.residual, fmt.group_size) + 1)
 
 
 def tail_bytes(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_dim: int,

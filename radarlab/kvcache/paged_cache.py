@@ -37,7 +37,7 @@ from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.kvcache.kivi_store import KiviStore, tail_bytes
+from radarlab.kvcache.kivi_store import KiviStore, default_tail_groups, tail_bytes
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES, SinkPool, SinkStore
 from radarlab.quant.formats import KVFormat, kv_format
 from radarlab.quant.kv_codec import (QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width,
@@ -146,9 +146,12 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
-                  v_scale=1.0) -> "PagedKVCache":
+                  v_scale=1.0, max_num_seqs: int | None = None) -> "PagedKVCache":
+        """max_num_seqs sizes what a format keeps per sequence (KIVI's tails, the sinks); None: 64."""
+        fmt = kv_format(kv_cache_dtype)
+        tails = default_tail_groups(fmt, max_num_seqs) if max_num_seqs and fmt.kind == "kivi" else None
         return cls(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, block_size,
-                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale)
+                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs)
 
     def set_kv_scales(self, k_scale, v_scale) -> None:
         """fp8's static scales, one per layer: a number (every layer), a tensor [num_layers], or per head
@@ -361,16 +364,18 @@ def _is_one(scale) -> bool:
 
 def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
                           kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32,
-                          num_sinks: int = DEFAULT_SINK_SEQUENCES) -> int:
+                          max_num_seqs: int = DEFAULT_SINK_SEQUENCES) -> int:
     """How many blocks a byte budget holds in a format, every scale and zero point counted: the same
-    bytes give an FP8 pool twice the blocks of a 16-bit one. At least one block, or ValueError."""
+    bytes give an FP8 pool twice the blocks of a 16-bit one. What a format keeps per sequence (KIVI's
+    16-bit tails, the sinks) for max_num_seqs sequences comes out of the budget first. At least one
+    block, or ValueError."""
     budget = require_int("budget_bytes", budget_bytes)
     per = PagedKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_cache_dtype, dtype)
     fmt = kv_format(kv_cache_dtype)
     if fmt.kind == "kivi":  # the 16-bit tails come out of the same budget
-        budget -= tail_bytes(fmt, num_layers, num_kv_heads, head_dim)
+        budget -= tail_bytes(fmt, num_layers, num_kv_heads, head_dim, default_tail_groups(fmt, max_num_seqs))
     if fmt.sink:  # and so do the sinks, one per sequence the cache is built for
-        budget -= num_sinks * fmt.sink_bytes_per_stream(num_layers, num_kv_heads, head_dim)
+        budget -= max_num_seqs * fmt.sink_bytes_per_stream(num_layers, num_kv_heads, head_dim)
     if budget < per:
         raise ValueError(f"budget_bytes ({budget:,}) is below one block ({per:,} bytes in "
                          f"{kv_format(kv_cache_dtype).resolve(dtype).name})")
