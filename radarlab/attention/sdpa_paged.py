@@ -107,8 +107,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if plan.decode_slots is not None:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_rows, v_rows, plan, scale)
     for p in plan.prefills:
-        k = k_rows.index_select(0, p.slots).transpose(0, 1)  # [kv_heads, seq_len, D]
-        v = v_rows.index_select(0, p.slots).transpose(0, 1)
+        k = k_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, D]; a 16-bit
+        v = v_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # pool under an fp32 model is read up
         o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1), k, v, attn_mask=p.mask, scale=scale,
                                            is_causal=p.mask is None, enable_gqa=gqa)
         out[p.lo:p.hi] = o.transpose(0, 1)
@@ -121,8 +121,8 @@ def _decode(q, k_rows, v_rows, plan: PagedSDPAPlan, scale: float) -> torch.Tenso
     whole group (measured in bf16: 4x faster than one query row per head with enable_gqa)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
-    k = k_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim)
-    v = v_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim)
+    k = k_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim).to(q.dtype)
+    v = v_rows.index_select(0, plan.decode_slots).view(num_seqs, plan.context, num_kv_heads, head_dim).to(q.dtype)
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=plan.decode_mask,
                                          scale=scale)

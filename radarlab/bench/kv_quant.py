@@ -52,10 +52,14 @@ def default_schemes() -> tuple[Scheme, ...]:
     rows += [Scheme("fp8_e4m3 scale 1.0, round toward zero (vLLM CPU)", "fp8_e4m3_rtz", "1.0"),
              Scheme("fp8_e4m3 dynamic per token and head", "fp8_per_token_head"),
              Scheme("fp8_e4m3 scale 1.0, Hadamard", "fp8_e4m3_hadamard", "1.0"),
-             Scheme("fp8_e4m3 per head, Hadamard", "fp8_e4m3_hadamard", "head")]
+             Scheme("fp8_e4m3 per head, Hadamard", "fp8_e4m3_hadamard", "head"),
+             Scheme("fp8_e4m3 scale 1.0, Hadamard on K, q and V", "fp8_e4m3_hadamard_vrot", "1.0"),
+             Scheme("fp8_e4m3 scale 1.0, sink1", "fp8_e4m3_sink1", "1.0")]
     for dtype in ("int4_g64_sym", "int4_g32_sym", "int4_g64_asym", "int4_g32_asym", "int4_g16_asym_fp8scales",
                   "int4_g64_sym_hadamard", "int4_g64_asym_hadamard", "int4_g32_asym_hadamard",
-                  "kivi_g64", "kivi_g32", "kivi_g32_r128", "kivi_g32_fp8scales", "kivi_g32_hadamard"):
+                  "kivi_g64", "kivi_g32", "kivi_g32_r128", "kivi_g32_fp8scales", "kivi_g32_hadamard",
+                  "kivi_g32_fp8scales_int8zeros", "kivi_g32_fp8scales_int8zeros_sink1",
+                  "kivi_g32_fp8scales_int8zeros_r128_sink1"):
         rows.append(Scheme(dtype, dtype))
     return tuple(rows)
 
@@ -110,6 +114,14 @@ class RecordingCache:
         return self.cache.attend(layer, q, k, v, meta, scale)
 
 
+def kivi_block_size(kv_cache_dtype: str, block_size: int) -> int:
+    """A KIVI key group never straddles two blocks: its blocks hold at least one group."""
+    from radarlab.quant.formats import kv_format
+
+    fmt = kv_format(kv_cache_dtype)
+    return max(block_size, fmt.group_size) if fmt.kind == "kivi" else block_size
+
+
 def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: dict | None = None):
     """A PagedKVCache of the scheme's format with room for one sequence of num_tokens."""
     from radarlab.kvcache.paged_cache import PagedKVCache
@@ -125,6 +137,7 @@ def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: 
             extra["k_scale"], extra["v_scale"] = scales[key]
         else:
             extra["k_scale"] = extra["v_scale"] = float(scheme.scales)
+    block_size = kivi_block_size(scheme.kv_cache_dtype, block_size)
     return PagedKVCache.for_model(model.config, cdiv(num_tokens, block_size), block_size, dtype=param.dtype,
                                   device=param.device, kv_cache_dtype=scheme.kv_cache_dtype, **extra)
 
@@ -233,9 +246,10 @@ def concurrency_row(model, kv_cache_dtype: str, budget_bytes: int, prompts, conf
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
+    block_size = kivi_block_size(kv_cache_dtype, config.block_size)
+    per_block = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, block_size,
                                              kv_cache_dtype, dtype)
-    engine = Engine(model, None, config.block_size, max_num_seqs=len(prompts),
+    engine = Engine(model, None, block_size, max_num_seqs=len(prompts),
                     max_num_batched_tokens=config.max_num_batched_tokens, enable_prefix_caching=False,
                     kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=budget_bytes)
     num_blocks = engine.manager.num_blocks
@@ -318,12 +332,22 @@ def run(config: QuantBenchConfig = QuantBenchConfig(), log=print, model=None, to
     prompts = [c[:config.prompt_len] for c in corpus_chunks(tokenizer, config.num_requests,
                                                             max(config.prompt_len, 2))]
     conc = concurrency(model, prompts, config, log) if config.concurrency_dtypes else []
-    return {"config": _config_json(config), "corpus": corpus_description(), "baseline_ppl": base_ppl,
+    return {"config": _config_json(config), "changed_from_default": _changes(config),
+            "corpus": corpus_description(), "baseline_ppl": base_ppl,
             "schemes": rows, "concurrency": conc}
 
 
 def _pct(x) -> str:
     return "no fp32 baseline" if x is None else f"{x:+.2f}%"
+
+
+def _changes(config: QuantBenchConfig) -> dict:
+    """The parameters a run changed from the full benchmark's (a reduced run says so in its JSON)."""
+    default, now = _config_json(QuantBenchConfig()), _config_json(config)
+    out = {k: v for k, v in now.items() if k != "schemes" and v != default[k]}
+    if now["schemes"] != default["schemes"]:
+        out["schemes"] = f"{len(config.schemes)} of the {len(default['schemes'])} default schemes"
+    return out
 
 
 def _config_json(config: QuantBenchConfig) -> dict:

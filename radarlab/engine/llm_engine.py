@@ -69,11 +69,12 @@ class Engine:
             raise ValueError("give num_blocks or kv_cache_bytes (a byte budget for the pool), not both")
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                               block_size, kv_cache_dtype, param.dtype)
+                                               block_size, kv_cache_dtype, param.dtype, max_num_seqs)
         self.model = model
         self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
-                                            backend=backend, kv_cache_dtype=kv_cache_dtype)
+                                            backend=backend, kv_cache_dtype=kv_cache_dtype,
+                                            max_num_seqs=max_num_seqs)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id

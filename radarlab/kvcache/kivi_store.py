@@ -31,16 +31,16 @@ import torch
 
 from radarlab.quant import int4, kivi
 from radarlab.quant.formats import KVFormat
-from radarlab.quant.kv_codec import meta_dtype
+from radarlab.quant.kv_codec import meta_dtype, zero_dtype
 from radarlab.util import cdiv
 
 
 DEFAULT_TAIL_SEQUENCES = 64  # tails for this many sequences' windows: the engine's default max_num_seqs
 
 
-def default_tail_groups(fmt: KVFormat) -> int:
-    """Tails for DEFAULT_TAIL_SEQUENCES sequences: each holds its window and one partial group."""
-    return DEFAULT_TAIL_SEQUENCES * (cdiv(fmt.residual, fmt.group_size) + 1)
+def default_tail_groups(fmt: KVFormat, num_seqs: int = DEFAULT_TAIL_SEQUENCES) -> int:
+    """Tails for num_seqs sequences: each holds its window and one partial group."""
+    return num_seqs * (cdiv(fmt.residual, fmt.group_size) + 1)
 
 
 def tail_bytes(fmt: KVFormat, num_layers: int, num_kv_heads: int, head_dim: int,
@@ -66,9 +66,9 @@ class KiviStore:
         self.k = torch.zeros(L, N, B, H, D // 2, dtype=torch.uint8, device=device)
         self.v = torch.zeros_like(self.k)
         self.k_scales = torch.ones(L, N, self.num_groups, H, D, dtype=md, device=device)
-        self.k_zeros = torch.zeros_like(self.k_scales)
+        self.k_zeros = torch.zeros_like(self.k_scales, dtype=zero_dtype(fmt))
         self.v_scales = torch.ones(L, N, B, H, D // g, dtype=md, device=device)
-        self.v_zeros = torch.zeros_like(self.v_scales)
+        self.v_zeros = torch.zeros_like(self.v_scales, dtype=zero_dtype(fmt))
         if num_tail_groups is None:
             num_tail_groups = default_tail_groups(fmt)
         self.k_tail = torch.zeros(L, num_tail_groups, g, H, D, dtype=torch.float16, device=device)
@@ -96,6 +96,7 @@ class KiviStore:
         tables = block_tables.tolist()
         bounds = query_start_loc.tolist()
         items: dict[tuple[int, int], list] = {}  # (block, group) -> [src, keep, valid]
+        skip: dict[tuple[int, int], int] = {}  # rows left out of the group's range: the sink, kept in 16-bit
         for b, seq_len in enumerate(seq_lens.tolist()):
             first_new = seq_len - (bounds[b + 1] - bounds[b])
             done_before = kivi.quantized_length(first_new, g, R)
@@ -111,6 +112,7 @@ class KiviStore:
                     continue  # unchanged: still in its tail, or already quantized
                 src = tail if old and tail >= 0 else (-2 if old else -1)  # -2: decode from the codes
                 items[(block, gib)] = [src, keep, min(g, seq_len - start)]
+                skip[(block, gib)] = self.fmt.sink if start == 0 else 0
         for (block, gib), item in items.items():  # tails: release, reuse, allocate
             src, keep, _ = item
             stale = int(self.tail_of[block, gib])
@@ -132,7 +134,7 @@ class KiviStore:
         self.plan = dict(
             blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
             src=t([items[k][0] for k in keys]), dst=t([items[k][3] for k in keys]),
-            valid=t([items[k][2] for k in keys]),
+            valid=t([items[k][2] for k in keys]), skip=t([skip[k] for k in keys]),
             token=t([r[0] for r in rows]), item=t([r[1] for r in rows]), offset=t([r[2] for r in rows]),
         )
 
@@ -183,25 +185,34 @@ class KiviStore:
             self.v_tail[layer, p["dst"][keep]] = vs[keep].half()
         if bool((~keep).any()):
             self._quantize_groups(layer, ks[~keep], vs[~keep], p["blocks"][~keep], p["groups"][~keep],
-                                  p["valid"][~keep])
+                                  p["valid"][~keep], p["skip"][~keep])
 
     def _rows(self, blocks, groups) -> torch.Tensor:
         """Slots [n, g] of each group's positions."""
         return (blocks * self.block_size + groups * self.group)[:, None] + torch.arange(self.group, device=blocks.device)
 
-    def _quantize_groups(self, layer, ks, vs, blocks, groups, valid) -> None:
-        """Groups [n, g, H, D] to codes; rows past `valid` repeat row 0 (min and max unchanged)."""
+    def _quantize_groups(self, layer, ks, vs, blocks, groups, valid, skip=None) -> None:
+        """Groups [n, g, H, D] to codes; rows past `valid` repeat a row that counts, so they leave min and
+        max unchanged. Keys also leave out their first `skip` rows (a sink, kept in 16-bit by the cache),
+        whose codes are then clipped to the rest's range; values are per token and need no such care."""
         g, (n, _, H, D) = self.group, ks.shape
-        fill = torch.arange(g, device=ks.device)[None, :] < valid[:, None]
-        pick = torch.where(fill, torch.arange(g, device=ks.device)[None, :], 0)
-        ks = torch.gather(ks, 1, pick[:, :, None, None].expand_as(ks))
-        vs = torch.gather(vs, 1, pick[:, :, None, None].expand_as(vs))
-        packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype)
+        rows = torch.arange(g, device=ks.device)[None, :]
+        first = torch.zeros_like(valid) if skip is None else torch.where(valid > skip, skip, 0)
+
+        def fill(x, first):
+            use = (rows >= first[:, None]) & (rows < valid[:, None])
+            pick = torch.where(use, rows, first[:, None])
+            return torch.gather(x, 1, pick[:, :, None, None].expand_as(x))
+
+        ks, vs = fill(ks, first), fill(vs, torch.zeros_like(valid))
+        packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype,
+                                                   self.fmt.int8_zeros)
         slots = self._rows(blocks, groups).reshape(-1)
         self.k[layer].view(-1, H, D // 2)[slots] = packed
         self.k_scales[layer][blocks, groups] = scales
         self.k_zeros[layer][blocks, groups] = zeros
-        packed, scales, zeros = int4.quantize(vs.reshape(n * g, H, D), g, False, self.fmt.scale_dtype)
+        packed, scales, zeros = int4.quantize(vs.reshape(n * g, H, D), g, False, self.fmt.scale_dtype,
+                                              self.fmt.int8_zeros)
         self.v[layer].view(-1, H, D // 2)[slots] = packed
         self.v_scales[layer].view(-1, H, D // g)[slots] = scales
         self.v_zeros[layer].view(-1, H, D // g)[slots] = zeros

@@ -67,6 +67,7 @@ class KVFootprint:
     payload_bytes_per_token: int
     overhead_bytes_per_token: int  # scales and zero points stored per token; 0 for 16-bit and per-tensor fp8
     residual_bytes_per_stream: int = 0  # kivi: the residual window's 16-bit tokens, beyond their 4-bit cost
+    sink_bytes_per_stream: int = 0  # sink<N>: 16-bit copies of the first N tokens, on top of their codes
 
     @property
     def bytes_per_token(self) -> int:
@@ -78,11 +79,11 @@ class KVFootprint:
 
     @property
     def overhead_bytes_per_stream(self) -> int:
-        return self.overhead_bytes_per_token * self.tokens + self.residual_bytes_per_stream
+        return self.overhead_bytes_per_token * self.tokens + self.residual_bytes_per_stream + self.sink_bytes_per_stream
 
     @property
     def bytes_per_stream(self) -> int:
-        return self.bytes_per_token * self.tokens + self.residual_bytes_per_stream
+        return self.bytes_per_token * self.tokens + self.residual_bytes_per_stream + self.sink_bytes_per_stream
 
     @property
     def gb_per_stream(self) -> float:
@@ -114,8 +115,10 @@ def kv_footprint(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtyp
     # kivi's newest tokens wait in 16-bit: 2 bytes for each of K's and V's head_dim values, not their 4-bit cost
     residual = min(fmt.residual, tokens)
     extra = residual * (heads * 4 * head_dim - (payload + overhead))
+    # the sink's 16-bit copies are kept beside the codes of the same tokens: their full 16-bit cost, once
+    sink = fmt.sink_bytes_per_stream(layers, kv_heads, head_dim) if fmt.is_quantized else 0
     return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, fmt.group_size, int(payload), int(overhead),
-                       int(extra))
+                       int(extra), sink)
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, kv_dtype: str = "fp16",

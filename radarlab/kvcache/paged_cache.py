@@ -21,7 +21,10 @@ num_kv_heads, S], so the block table that finds a block's codes finds its scales
 (vLLM's k_scale / v_scale) are per layer: self.k_scale [num_layers] or, calibrated per head,
 [num_layers, num_kv_heads]. The write quantizes; attention reads through QuantizedPool views, which
 dequantize only the blocks a step reads. A rotated format rotates K (stored) and q (before attention)
-by the same orthogonal matrix, so scores are unchanged up to quantization error.
+by the same orthogonal matrix, so scores are unchanged up to quantization error; with `vrot` it rotates
+V too and the attention output back (o = o' R^T per head, on both backends), which leaves the output
+unchanged up to quantization error. A `sink<N>` format keeps each sequence's first N tokens in 16-bit
+beside the blocks (sink_store.py; torch backend).
 """
 from __future__ import annotations
 
@@ -34,9 +37,11 @@ from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.kvcache.kivi_store import KiviStore, tail_bytes
+from radarlab.kvcache.kivi_store import KiviStore, default_tail_groups, tail_bytes
+from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES, SinkPool, SinkStore
 from radarlab.quant.formats import KVFormat, kv_format
-from radarlab.quant.kv_codec import QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width
+from radarlab.quant.kv_codec import (QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width,
+                                     zero_dtype)
 from radarlab.quant.rotation import rotate, rotation_matrix
 from radarlab.util import require_int, require_power_of_two
 
@@ -90,6 +95,7 @@ class PagedKVCache:
         k_scale=1.0,
         v_scale=1.0,
         num_tail_groups: int | None = None,
+        num_sinks: int | None = None,
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
@@ -122,8 +128,8 @@ class PagedKVCache:
                 self.k_scales = torch.ones(*lead, scale_width(fmt, head_dim), dtype=meta_dtype(fmt), device=device)
                 self.v_scales = torch.ones_like(self.k_scales)
                 if not fmt.symmetric and fmt.is_packed:
-                    self.k_zeros = torch.zeros_like(self.k_scales)
-                    self.v_zeros = torch.zeros_like(self.k_scales)
+                    self.k_zeros = torch.zeros_like(self.k_scales, dtype=zero_dtype(fmt))
+                    self.v_zeros = torch.zeros_like(self.k_zeros)
         self.k_scale = self.v_scale = None
         if fmt.kind == "fp8" and fmt.scale_rule == "tensor":
             self.set_kv_scales(k_scale, v_scale)
@@ -131,13 +137,21 @@ class PagedKVCache:
             raise ValueError(f"k_scale and v_scale are static fp8 scales; {fmt.name} takes none (got {k_scale!r}, "
                              f"{v_scale!r})")
         self.rotation = (rotation_matrix(fmt.rotation, head_dim).to(device) if fmt.rotation else None)
+        if backend == "triton" and (fmt.sink or fmt.int8_zeros):
+            raise ValueError(f"{fmt.name}: sink and int8zeros run on the torch backend only (no Triton kernel "
+                             f"reads them yet)")
+        self.sinks = (SinkStore(fmt.sink, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
+                                num_sinks) if fmt.sink else None)
 
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
-                  v_scale=1.0) -> "PagedKVCache":
+                  v_scale=1.0, max_num_seqs: int | None = None) -> "PagedKVCache":
+        """max_num_seqs sizes what a format keeps per sequence (KIVI's tails, the sinks); None: 64."""
+        fmt = kv_format(kv_cache_dtype)
+        tails = default_tail_groups(fmt, max_num_seqs) if max_num_seqs and fmt.kind == "kivi" else None
         return cls(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, block_size,
-                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale)
+                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs)
 
     def set_kv_scales(self, k_scale, v_scale) -> None:
         """fp8's static scales, one per layer: a number (every layer), a tensor [num_layers], or per head
@@ -167,9 +181,10 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Every byte the cache holds: blocks, their scales, and KIVI's 16-bit tails."""
+        """Every byte the cache holds: blocks, their scales, KIVI's 16-bit tails and the 16-bit sinks."""
         tails = self.kivi.k_tail.nbytes + self.kivi.v_tail.nbytes if self.kivi is not None else 0
-        return sum(t.nbytes for t in self.block_tensors()) + tails
+        sinks = self.sinks.nbytes if self.sinks is not None else 0
+        return sum(t.nbytes for t in self.block_tensors()) + tails + sinks
 
     @staticmethod
     def bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
@@ -186,6 +201,12 @@ class PagedKVCache:
         """(K, V) of one layer as attention reads them: plain tensors, or QuantizedPool views."""
         if not self.kv_format.is_quantized:
             return self.k[layer], self.v[layer]
+        pools = self._encoded_pools(layer)
+        if self.sinks is not None:
+            return tuple(SinkPool(p, self.sinks, layer, keys) for p, keys in zip(pools, (True, False)))
+        return pools
+
+    def _encoded_pools(self, layer: int):
         if self.kivi is not None:
             return self.kivi.pools(layer)
         pick = (lambda t: None if t is None else t[layer])
@@ -198,9 +219,10 @@ class PagedKVCache:
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
         self._check_kv(layer, k, v)
-        if self.kivi is not None:
-            raise ValueError("a kivi cache is written by attend(): which groups a write quantizes depends on "
-                             "the step's block tables and sequence lengths")
+        if self.kivi is not None or self.sinks is not None:
+            raise ValueError(f"a {self.kv_format.name} cache is written by attend(): which groups a write "
+                             f"quantizes, and which tokens are a sequence's sink, depend on the step's block "
+                             f"tables and sequence lengths")
         slot_mapping = slot_mapping.to(self.k.device)
         validate_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
         self._write(layer, k, v, slot_mapping)
@@ -213,10 +235,12 @@ class PagedKVCache:
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.sinks is not None:
+            self.sinks.write(layer, k, v)
         if self.kivi is not None:
             self.kivi.write(layer, k, v)
         elif self.kv_format.is_quantized:
-            k_pool, v_pool = self.layer_pools(layer)
+            k_pool, v_pool = self._encoded_pools(layer)
             if self.backend == "triton":
                 from radarlab.attention.triton_quant import triton_quant_reshape_and_cache
 
@@ -252,6 +276,8 @@ class PagedKVCache:
             t[:, dst] = t[:, src]
         if self.kivi is not None:
             self.kivi.copy_blocks(src, dst)
+        if self.sinks is not None:
+            self.sinks.copy_blocks(src, dst)
 
     @property
     def geometry(self) -> tuple:
@@ -286,6 +312,15 @@ class PagedKVCache:
         checked here, in every layer."""
         self._check_kv(layer, k, v)
         meta = self.prepare(meta)
+        if self.rotation is None:
+            return self._attend(layer, q, k, v, meta, scale)
+        q, k = rotate(q, self.rotation), rotate(k, self.rotation)
+        if not self.kv_format.rotate_values:
+            return self._attend(layer, q, k, v, meta, scale)
+        out = self._attend(layer, q, k, rotate(v, self.rotation), meta, scale)
+        return rotate(out, self.rotation.T)  # o' = softmax(.) (V R), so o = o' R^T, per head
+
+    def _attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.kv_format.is_quantized:
             return self._attend_quantized(layer, q, k, v, meta, scale)
         self._write(layer, k, v, meta.slot_mapping)
@@ -298,11 +333,11 @@ class PagedKVCache:
         return paged_attention_sdpa(q, self.k[layer], self.v[layer], meta.plan, scale)
 
     def _attend_quantized(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Rotate q and k if the format says so, write (quantizing), attend dequantizing block by block."""
-        if self.rotation is not None:
-            q, k = rotate(q, self.rotation), rotate(k, self.rotation)
-        if self.kivi is not None and layer == 0:  # one plan per step: layers run 0 .. L-1 in order
-            self.kivi.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+        """Write (quantizing), attend dequantizing block by block."""
+        if layer == 0:  # one plan per step: layers run 0 .. L-1 in order
+            for store in (self.kivi, self.sinks):
+                if store is not None:
+                    store.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         self._write(layer, k, v, meta.slot_mapping)
         k_pool, v_pool = self.layer_pools(layer)
         if self.backend == "triton":
@@ -328,14 +363,19 @@ def _is_one(scale) -> bool:
 
 
 def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
-                          kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32) -> int:
+                          kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32,
+                          max_num_seqs: int = DEFAULT_SINK_SEQUENCES) -> int:
     """How many blocks a byte budget holds in a format, every scale and zero point counted: the same
-    bytes give an FP8 pool twice the blocks of a 16-bit one. At least one block, or ValueError."""
+    bytes give an FP8 pool twice the blocks of a 16-bit one. What a format keeps per sequence (KIVI's
+    16-bit tails, the sinks) for max_num_seqs sequences comes out of the budget first. At least one
+    block, or ValueError."""
     budget = require_int("budget_bytes", budget_bytes)
     per = PagedKVCache.bytes_per_block(num_layers, num_kv_heads, head_dim, block_size, kv_cache_dtype, dtype)
     fmt = kv_format(kv_cache_dtype)
     if fmt.kind == "kivi":  # the 16-bit tails come out of the same budget
-        budget -= tail_bytes(fmt, num_layers, num_kv_heads, head_dim)
+        budget -= tail_bytes(fmt, num_layers, num_kv_heads, head_dim, default_tail_groups(fmt, max_num_seqs))
+    if fmt.sink:  # and so do the sinks, one per sequence the cache is built for
+        budget -= max_num_seqs * fmt.sink_bytes_per_stream(num_layers, num_kv_heads, head_dim)
     if budget < per:
         raise ValueError(f"budget_bytes ({budget:,}) is below one block ({per:,} bytes in "
                          f"{kv_format(kv_cache_dtype).resolve(dtype).name})")

@@ -15,9 +15,15 @@ Options follow the base name, separated by underscores, in any order:
                 of one key group and the values of one value group)
     sym, asym   symmetric (a scale per group) or asymmetric (a scale and a zero point per group)
     fp8scales   scales and zero points stored as FP8 E4M3 instead of fp16
+    int8zeros   asym only: the zero point is an integer code in int8 (x = (q - z) * scale) instead of a
+                float minimum; with fp8scales, 1 + 1 bytes per group (4.5 bits/value at g32)
     r<N>        kivi only: the newest N tokens stay in 16-bit (the residual window)
     rtz         fp8 only: round toward zero (what vLLM's CPU kernels do) instead of to nearest even
     hadamard, orthogonal   rotate K and q along head_dim before quantizing K
+    vrot        with a rotation: rotate V too, and the attention output back (o = o' R^T, per head), so
+                V's outliers are spread as well; a separate option so the K-only rotation stays measurable
+    sink<N>     quantized formats: the first N tokens of every sequence stay in 16-bit, K and V, every layer
+                (the attention sink); a per-sequence cost, counted per stream, not per token
 
 So `int4_g64_asym_hadamard` is INT4 in groups of 64 with fp16 scales and zero points, on rotated keys.
 `kv_format(name)` parses a name (or passes a KVFormat through) and raises ValueError naming the valid
@@ -57,7 +63,7 @@ _BASES = {
     "kivi": ("kivi", 4, torch.uint8, None),
 }
 KV_CACHE_DTYPES = tuple(_BASES)
-_OPTIONS = "g<N>, sym, asym, fp8scales, r<N>, rtz, hadamard, orthogonal"
+_OPTIONS = "g<N>, sym, asym, fp8scales, int8zeros, r<N>, rtz, hadamard, orthogonal, vrot, sink<N>"
 
 
 @dataclass(frozen=True)
@@ -81,6 +87,9 @@ class KVFormat:
     scale_dtype: str = "fp16"
     residual: int = 0  # kivi: tokens kept in 16-bit
     rotation: str | None = None
+    int8_zeros: bool = False  # asym: zero points as int8 codes, not float minima
+    rotate_values: bool = False  # vrot: V rotated too, the attention output rotated back
+    sink: int = 0  # the first `sink` tokens of every sequence kept in 16-bit
 
     @property
     def is_quantized(self) -> bool:
@@ -115,8 +124,15 @@ class KVFormat:
 
     @property
     def metadata_bytes_per_group(self) -> int:
-        """A scale, plus a zero point when asymmetric, in the scale dtype."""
-        return SCALE_BYTES[self.scale_dtype] * (1 if self.symmetric else 2)
+        """A scale, plus a zero point when asymmetric: in the scale dtype, or one int8 byte (int8zeros)."""
+        if self.symmetric:
+            return SCALE_BYTES[self.scale_dtype]
+        return SCALE_BYTES[self.scale_dtype] + (1 if self.int8_zeros else SCALE_BYTES[self.scale_dtype])
+
+    def sink_bytes_per_stream(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """The 16-bit copies of a sequence's first `sink` tokens, K and V, all layers: paid once per
+        sequence, on top of the same tokens' quantized codes (which the cache also keeps)."""
+        return self.sink * num_layers * num_kv_heads * head_dim * 2 * 2
 
     def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype = torch.float16) -> tuple[Fraction, Fraction]:
         """(payload, overhead) bytes one token takes in one head for K and V together, exact.
@@ -124,7 +140,8 @@ class KVFormat:
         Overhead is the scales and zero points: int4, a group of g values along head_dim; kivi keys,
         one scale (and zero) per channel for every g tokens, values as int4; fp8_per_token_head, one
         fp16 scale per token and head for K and one for V. The kivi residual window (its newest
-        `residual` tokens in 16-bit) is a per-sequence cost, counted by kvcache.memory.kv_footprint."""
+        `residual` tokens in 16-bit) and the sink (sink_bytes_per_stream) are per-sequence costs, counted by
+        kvcache.memory.kv_footprint."""
         fmt = self.resolve(model_dtype)
         d = fmt.check_head_dim(head_dim)
         payload = Fraction(2 * d * fmt.bits, 8)
@@ -167,26 +184,38 @@ def kv_format(kv_cache_dtype: "str | KVFormat", group_size: int | None = None) -
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (options: {_OPTIONS}); "
                          f"got {kv_cache_dtype!r}")
     kind, bits, dtype, fp8 = _BASES[base]
-    opts = dict(rounding="rne", symmetric=False, scale_dtype="fp16", residual=0, rotation=None)
+    opts = dict(rounding="rne", symmetric=False, scale_dtype="fp16", residual=0, rotation=None, int8_zeros=False,
+                rotate_values=False, sink=0)
     group = None
     for option in name[len(base):].split("_")[1:]:
         if option in ("sym", "asym") and kind in ("int4", "kivi"):
             opts["symmetric"] = option == "sym"
         elif option == "fp8scales" and kind in ("int4", "kivi"):
             opts["scale_dtype"] = "fp8"
+        elif option == "int8zeros" and kind in ("int4", "kivi"):
+            opts["int8_zeros"] = True
+        elif option == "vrot":
+            opts["rotate_values"] = True
+        elif option.startswith("sink") and kind != "float":
+            opts["sink"] = _parse_sink(name, option)
         elif option.startswith("g") and kind in ("int4", "kivi"):
             group = _parse_size(name, option, "g")
         elif option.startswith("r") and option != "rtz" and kind == "kivi":
             opts["residual"] = _parse_size(name, option, "r")
         elif option == "rtz" and kind == "fp8":
             opts["rounding"] = "rtz"
-        elif option in ROTATIONS and kind != "float":
+        elif option in ROTATIONS:  # on a float cache too: the exact reference of a rotated format
             opts["rotation"] = option
         else:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: unknown option {option!r} for {base} "
                              f"(bases: {', '.join(KV_CACHE_DTYPES)}; options: {_OPTIONS}; g, sym, asym and "
-                             f"fp8scales are for int4 and kivi, r for kivi, rtz for fp8, rotations for any "
-                             f"quantized base)")
+                             f"fp8scales, int8zeros are for int4 and kivi, r for kivi, rtz for fp8, rotations, "
+                             f"sink for any quantized base, rotations and vrot for any)")
+    if opts["rotate_values"] and not opts["rotation"]:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: vrot rotates V by the format's rotation; add "
+                         f"hadamard or orthogonal")
+    if opts["int8_zeros"] and opts["symmetric"]:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: int8zeros needs asym (sym has no zero point)")
     if kind in ("int4", "kivi"):
         if group is None:
             group = require_int("group_size", group_size) if group_size is not None else (
@@ -209,10 +238,23 @@ def _canonical(base: str, kind: str, group, opts: dict) -> str:
             parts.append("sym" if opts["symmetric"] else "asym")
         if opts["scale_dtype"] == "fp8":
             parts.append("fp8scales")
+        if opts["int8_zeros"]:
+            parts.append("int8zeros")
         if opts["residual"]:
             parts.append(f"r{opts['residual']}")
     if opts["rounding"] == "rtz":
         parts.append("rtz")
     if opts["rotation"]:
         parts.append(opts["rotation"])
+    if opts["rotate_values"]:
+        parts.append("vrot")
+    if opts["sink"]:
+        parts.append(f"sink{opts['sink']}")
     return "_".join(parts)
+
+
+def _parse_sink(name: str, option: str) -> int:
+    try:
+        return require_int(f"{name}: sink<N>", int(option[4:]))
+    except ValueError:
+        raise ValueError(f"kv_cache_dtype {name!r}: option {option!r} must be sink<positive int>") from None

@@ -10,6 +10,11 @@ the stored (rounded) scale and zero, so that dequantizing uses exactly what quan
 are rounded up and FP8 zero points down, so the stored grid still covers the group; fp16's rounding
 is finer than half a step and the clamp absorbs it.
 
+int8 zero points (int8_zeros): the zero is an integer code z = round(-min / scale) in int8 and
+x ~ (q - z) x scale, so 0.0 is exactly on the grid and the zero costs one byte whatever the scale
+dtype. The scale is at least amax / 127, so z always fits int8 (a group far from zero, narrow
+against its offset, gets a coarser grid rather than a clipped one); the error stays within half a step.
+
 Along head_dim (a token's K or V of one head) this is the classic per-token INT4 KV; along tokens
 (keys per channel) it is KIVI's key layout (radarlab.quant.kivi).
 """
@@ -83,10 +88,12 @@ def load_meta(stored: torch.Tensor, scale_dtype: str) -> torch.Tensor:
     return fp8.decode(stored)
 
 
-def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16",
+                   int8_zeros: bool = False):
     """x [..., n] -> (codes uint8 0..15 [..., n], scales [..., n/g], zeros [..., n/g] or None), unpacked.
 
-    Scales and zeros are stored as scale_dtype (fp16 tensors or E4M3 uint8 codes). A NaN in a group
+    Scales and zeros are stored as scale_dtype (fp16 tensors or E4M3 uint8 codes); int8_zeros (asym)
+    stores integer zero points as int8 instead. A NaN in a group
     makes its scale NaN, so the group decodes to NaN: the bad value stays visible."""
     n = x.shape[-1]
     g = check_group(group_size, n)
@@ -98,6 +105,13 @@ def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, sca
         s = load_meta(s_stored, scale_dtype)[..., None]
         q = (torch.round(xg / s).clamp(-8, 7) + 8)
         z_stored = None
+    elif int8_zeros:
+        lo, hi = xg.amin(-1), xg.amax(-1)
+        step = torch.maximum((hi - lo) / 15, torch.maximum(hi.abs(), lo.abs()) / 127).clamp(min=tiny)
+        s_stored = store_meta(step, scale_dtype, "up")
+        s = load_meta(s_stored, scale_dtype)
+        z_stored = torch.nan_to_num(torch.round(-lo / s), nan=0.0).clamp(-128, 127).to(torch.int8)
+        q = torch.round(xg / s[..., None] + z_stored[..., None].float()).clamp(0, 15)
     else:
         lo, hi = xg.amin(-1), xg.amax(-1)
         z_stored = store_meta(lo, scale_dtype, "down")
@@ -120,15 +134,23 @@ def dequantize_codes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor 
         raise ValueError(f"zeros must have the scales' shape {tuple(scales.shape)}, got {tuple(zeros.shape)}")
     qg = q.float().reshape(*q.shape[:-1], n // g, g)
     s = load_meta(scales, scale_dtype)[..., None]
-    x = (qg - 8) * s if zeros is None else qg * s + load_meta(zeros, scale_dtype)[..., None]
+    if zeros is None:
+        x = (qg - 8) * s
+    elif zeros.dtype == torch.int8:  # an integer zero point: x = (q - z) * s
+        x = (qg - zeros.float()[..., None]) * s
+    else:
+        x = qg * s + load_meta(zeros, scale_dtype)[..., None]
     return x.reshape(q.shape).to(dtype)
 
 
-def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16"):
+def quantize(x: torch.Tensor, group_size: int, symmetric: bool = True, scale_dtype: str = "fp16",
+             int8_zeros: bool = False):
     """x [..., n] -> (packed uint8 [..., n/2], scales [..., n/g], zeros [..., n/g] or None)."""
     if x.shape[-1] % 2:
         raise ValueError(f"the grouped axis must be even to pack two values per byte, got {x.shape[-1]}")
-    q, scales, zeros = quantize_codes(x, group_size, symmetric, scale_dtype)
+    if int8_zeros and symmetric:
+        raise ValueError("int8_zeros needs asymmetric groups (symmetric ones have no zero point)")
+    q, scales, zeros = quantize_codes(x, group_size, symmetric, scale_dtype, int8_zeros)
     return pack(q), scales, zeros
 
 

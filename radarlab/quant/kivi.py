@@ -28,7 +28,7 @@ def quantized_length(num_tokens: int, group_size: int, residual: int = 0) -> int
     return max(0, n - r) // g * g
 
 
-def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16"):
+def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16", int8_zeros: bool = False):
     """Keys [T, H, D], T a multiple of g -> (packed [T, H, D/2], scales [T/g, H, D], zeros [T/g, H, D]).
 
     Each (token group, head, channel) is one asymmetric int4 group of g values along tokens. The codes
@@ -36,7 +36,8 @@ def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16"):
     t, h, d = k.shape
     g = int4.check_group(group_size, t)
     per_channel = k.reshape(t // g, g, h, d).permute(0, 2, 3, 1)  # [T/g, H, D, g]
-    q, scales, zeros = int4.quantize_codes(per_channel, g, symmetric=False, scale_dtype=scale_dtype)
+    q, scales, zeros = int4.quantize_codes(per_channel, g, symmetric=False, scale_dtype=scale_dtype,
+                                           int8_zeros=int8_zeros)
     return int4.pack(q.permute(0, 3, 1, 2).reshape(t, h, d)), scales[..., 0], zeros[..., 0]
 
 
@@ -50,7 +51,11 @@ def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "
         raise ValueError(f"key scales and zeros must be {(*lead, t // g, h, d)}, got {tuple(scales.shape)} and "
                          f"{tuple(zeros.shape)}")
     qg = q.reshape(*lead, t // g, g, h, d)
-    x = qg * int4.load_meta(scales, scale_dtype)[..., None, :, :] + int4.load_meta(zeros, scale_dtype)[..., None, :, :]
+    s = int4.load_meta(scales, scale_dtype)[..., None, :, :]
+    if zeros.dtype == torch.int8:  # integer zero points (int8zeros)
+        x = (qg - zeros.float()[..., None, :, :]) * s
+    else:
+        x = qg * s + int4.load_meta(zeros, scale_dtype)[..., None, :, :]
     return x.reshape(q.shape).to(dtype)
 
 

@@ -7,7 +7,8 @@ A format's stored form is a payload plus, where the format has them, scales and 
     float16 / bfloat16     the values (Dp = D)         -                         -
     fp8 (tensor rule)      E4M3/E5M2 codes (D)         - (k_scale/v_scale: () or [H], passed in)
     fp8_per_token_head     E4M3 codes (D)              fp16 [.., H, 1]           -
-    int4 (g, sym/asym)     two codes a byte (D / 2)    fp16 or E4M3 [.., H, D/g]  asym: like scales
+    int4 (g, sym/asym)     two codes a byte (D / 2)    fp16 or E4M3 [.., H, D/g]  asym: like scales,
+                                                                               or int8 (int8zeros)
 
 KIVI's keys are grouped along tokens, not along head_dim; the paged cache stores them block by block
 with radarlab.quant.kivi (values are int4 asym, which this module encodes).
@@ -39,6 +40,11 @@ def meta_dtype(fmt: KVFormat) -> torch.dtype:
     return torch.uint8 if fmt.scale_dtype == "fp8" else torch.float16
 
 
+def zero_dtype(fmt: KVFormat) -> torch.dtype:
+    """How zero points are stored: int8 codes (int8zeros), else as the scales."""
+    return torch.int8 if fmt.int8_zeros else meta_dtype(fmt)
+
+
 def check_static_scale(scale, num_heads: int) -> torch.Tensor:
     """An fp8 tensor-rule scale: a number, () or [H]; finite and > 0 (fp8.check_scale's rules)."""
     shape = tuple(scale.shape) if isinstance(scale, torch.Tensor) else ()
@@ -67,7 +73,7 @@ def encode_kv(x: torch.Tensor, fmt: KVFormat, scale=1.0):
             return fp8.quantize(x, s.float(), fmt.fp8, fmt.rounding, "token_head"), s[..., None], None
         s = check_static_scale(scale, x.shape[1]).to(x.device)
         return fp8.encode(x.float() / _static(s), fmt.fp8, fmt.rounding), None, None
-    return int4.quantize(x, fmt.group_size, fmt.symmetric, fmt.scale_dtype)
+    return int4.quantize(x, fmt.group_size, fmt.symmetric, fmt.scale_dtype, fmt.int8_zeros)
 
 
 def decode_kv(payload: torch.Tensor, scales, zeros, fmt: KVFormat, scale=1.0) -> torch.Tensor:
