@@ -266,7 +266,7 @@ def concurrency_row(model, kv_cache_dtype: str, budget_bytes: int, prompts, conf
             running.append(len(sched.requests))
     seconds = time.perf_counter() - t0
     return {"kv_cache_dtype": kv_cache_dtype, "budget_bytes": budget_bytes, "bytes_per_block": per_block,
-            "num_blocks": num_blocks, "token_capacity": num_blocks * config.block_size,
+            "num_blocks": num_blocks, "block_size": block_size, "token_capacity": num_blocks * block_size,
             "max_running": max(running, default=0), "mean_running": sum(running) / max(len(running), 1),
             "preemptions": engine.scheduler.num_preemptions, "steps": engine.num_steps,
             "output_tokens": tokens, "seconds": seconds, "output_tokens_per_s": tokens / seconds}
