@@ -55,3 +55,22 @@ def test_upcast_equals_fp32_math_rounded_to_bf16(no_native_half, bias):
     # ...and within one bf16 rounding of torch's own bf16 GEMM (which also accumulates in fp32)
     native = F.linear(x, layer.weight, layer.bias)
     torch.testing.assert_close(out.float(), native.float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_packed_row_linear_equals_f_linear_and_survives_copies():
+    """The LM head's one-row path (MKL's packed GEMM where torch has it) gives F.linear's result up to
+    fp32 rounding, repacks when the weight changes, and a model holding it can be deep-copied."""
+    import copy
+
+    from radarlab.models.linear import PackedRowLinear
+
+    torch.manual_seed(0)
+    head = PackedRowLinear(64, 300, bias=False)
+    x = torch.randn(1, 64)
+    torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-4, atol=1e-4)
+    twin = copy.deepcopy(head)  # after a call: the packed copy must not travel
+    torch.testing.assert_close(twin(x), head(x), rtol=0, atol=0)
+    with torch.no_grad():
+        head.weight.mul_(2)
+    torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(twin(x), F.linear(x, twin.weight), rtol=1e-4, atol=1e-4)

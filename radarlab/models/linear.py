@@ -68,6 +68,13 @@ class PackedRowLinear(Linear):
             return torch.ops.mkl._mkl_linear(x, self._packed(), w, self.bias, 1)
         return super().forward(x)
 
+    def __getstate__(self):
+        """Copies and pickles leave the packed weight behind: MKL's packed tensor is opaque (it cannot
+        be deep-copied), and the copy packs its own on first use."""
+        state = dict(super().__getstate__())
+        state.pop("_packed_cache", None)
+        return state
+
     def _packed(self) -> torch.Tensor:
         key = (self.weight.data_ptr(), self.weight._version)
         cached = getattr(self, "_packed_cache", None)
