@@ -19,7 +19,7 @@ from radarlab.attention.torch_paged import (
     combine_partitions_torch, paged_attention_torch, paged_decode_torch, split_kv_decode_torch,
     split_kv_partials_torch,
 )
-from radarlab.attention.reference import attention_reference
+from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.attention.triton_paged import (
     triton_paged_attention, triton_paged_decode, triton_paged_decode_split, triton_paged_prefill,
 )
@@ -324,3 +324,20 @@ def test_padding_entries_past_the_last_block_are_never_read(device):
     case.block_tables = torch.cat([case.block_tables, torch.full_like(case.block_tables, 10**6)], dim=1)
     for run in _all_paths(case).values():
         assert max_error(run(), case.expected) < TOL
+
+
+def test_attention_settled_reads_stored_keys_only_below_each_querys_settled_length():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(5, 4, 8, generator=g) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    k_fresh, v_fresh = k + 0.5, v - 0.5
+    none = attention_settled(q, k, v, k_fresh, v_fresh, torch.zeros(5, dtype=torch.long), 0.3)
+    every = attention_settled(q, k, v, k_fresh, v_fresh, torch.full((5,), 5), 0.3)
+    assert torch.allclose(none, attention_reference(q, k_fresh, v_fresh, 0.3), atol=1e-6)
+    assert torch.allclose(every, attention_reference(q, k, v, 0.3), atol=1e-6)
+    mixed = attention_settled(q[2:], k, v, k_fresh, v_fresh, torch.tensor([0, 2, 4]), 0.3)
+    for i, n in enumerate([0, 2, 4]):  # query i (position i + 2) reads positions < n as stored
+        kk, vv = torch.cat((k[:n], k_fresh[n:i + 3])), torch.cat((v[:n], v_fresh[n:i + 3]))
+        assert torch.allclose(mixed[i], attention_reference(q[i + 2:i + 3], kk, vv, 0.3)[0], atol=1e-6)
+    with pytest.raises(ValueError, match="settled"):
+        attention_settled(q, k, v, k_fresh, v_fresh, torch.zeros(4, dtype=torch.long), 0.3)

@@ -43,7 +43,8 @@ def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual
     table = [6, 1, 3, 0]
     start = 9
     out = cache.attend(0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), 0.25)
-    assert torch.allclose(out, _expected(q[:start], k[:start], v[:start], group, residual), atol=1e-4)
+    for t in range(start):  # each query of the prefill sees what it would have seen decoding
+        assert torch.allclose(out[t], _expected(q[:t + 1], k[:t + 1], v[:t + 1], group, residual)[-1], atol=1e-4), t
     for n in range(start + 1, T + 1):
         out = cache.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
         assert torch.allclose(out, _expected(q[:n], k[:n], v[:n], group, residual)[-1:], atol=1e-4), n
@@ -51,6 +52,25 @@ def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual
         assert in_tails == cdiv(n - kivi.quantized_length(n, group, residual), group)  # only the window
     plain = attention_reference(q, k, v, 0.25)[-1:]
     assert float((out - plain).abs().max()) > 1e-3  # and the quantized groups did change the output
+
+
+@pytest.mark.parametrize("name", ["kivi_g4", "kivi_g4_r4", "kivi_g8_sink1", "kivi_g4_fp8scales_int8zeros_sink1"])
+def test_a_prefill_equals_decoding_its_tokens_one_by_one(name):
+    """Perplexity measured in one prefill must be the perplexity of generation: every query reads the
+    quantized codes of a key group only if the group was complete when that query was the newest token."""
+    q, k, v = _x(21, 4, D, seed=7), _x(21, H, D, seed=8) * 2, _x(21, H, D, seed=9)
+    k[:, :, 5] += 12
+    table = [2, 5, 0]
+    whole = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
+    prefill = whole.attend(0, q, k, v, _meta([21], [21], [table]), 0.25)
+    one_by_one = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
+    decoded = torch.cat([one_by_one.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
+                         for n in range(1, 22)])
+    assert torch.allclose(prefill, decoded, atol=1e-5)
+    for a, b in zip(whole.kivi.block_tensors(), one_by_one.kivi.block_tensors()):  # the same codes and scales
+        assert torch.equal(a, b)
+    plain = attention_reference(q, k, v, 0.25)
+    assert float((prefill - plain).abs().max()) > 1e-3  # the codes were read
 
 
 def test_two_sequences_copy_on_write_and_bytes():

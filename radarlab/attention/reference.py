@@ -33,6 +33,31 @@ def attention_reference(
     return torch.einsum("hqk,khd->qhd", probs, v.float()).to(q.dtype)
 
 
+def attention_settled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_fresh: torch.Tensor,
+                      v_fresh: torch.Tensor, settled: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention for a cache whose positions settle into a lossy form as the sequence grows.
+
+    q [Tq, H, D] are the last Tq of Tk positions; k, v [Tk, Hkv, D] as the cache holds them now, and
+    k_fresh, v_fresh the same positions before they settled. Query i reads key j as stored when
+    j < settled[i], fresh otherwise: what query i read when it was the newest token (KIVI quantizes a
+    key group only once it is complete; radarlab.kvcache.kivi_store)."""
+    tq, h, d = q.shape
+    tk, hkv, _ = k.shape
+    if k_fresh.shape != k.shape or v.shape != k.shape or v_fresh.shape != k.shape or tuple(settled.shape) != (tq,):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, k_fresh "
+                         f"{tuple(k_fresh.shape)}, v_fresh {tuple(v_fresh.shape)}, settled {tuple(settled.shape)}")
+    qg = q.float().view(tq, hkv, h // hkv, d)
+    j = torch.arange(tk, device=q.device)[None, :]
+    stored = (j < settled.to(q.device)[:, None])[:, None, None, :]  # [Tq, 1, 1, Tk]
+    causal = (j <= torch.arange(tq, device=q.device)[:, None] + tk - tq)[:, None, None, :]
+    scores = torch.where(stored, torch.einsum("qhgd,khd->qhgk", qg, k.float()),
+                         torch.einsum("qhgd,khd->qhgk", qg, k_fresh.float())) * scale
+    probs = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+    out = (torch.einsum("qhgk,khd->qhgd", probs * stored, v.float())
+           + torch.einsum("qhgk,khd->qhgd", probs * ~stored, v_fresh.float()))
+    return out.reshape(tq, h, d).to(q.dtype)
+
+
 def online_softmax_update(m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor, scores: torch.Tensor,
                           values: torch.Tensor):
     """Fold one block of scores [G, N] and values [N, D] into the running state of G query heads:

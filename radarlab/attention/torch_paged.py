@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from radarlab.attention.layout import validate_block_tables, validate_partition_size, validate_pool
-from radarlab.attention.reference import attention_reference
+from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.util import cdiv
 
 
@@ -29,7 +29,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 
 def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                          check: bool = True) -> torch.Tensor:
+                          check: bool = True, settling=None) -> torch.Tensor:
     """Causal attention for packed queries q [T, H, D] over the paged cache.
 
     Sequence b's queries are q[query_start_loc[b]:query_start_loc[b+1]], the last tokens of its
@@ -37,6 +37,12 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     Sequences with one query (decodes) run together through paged_decode_torch; the others
     (prefill chunks) one at a time. A Python loop over 64 decodes per layer would cost more than
     the attention math itself.
+
+    settling = (k_fresh, v_fresh, settled_len): a cache that stores positions lossily only once later
+    tokens exist (KIVI's key groups). k_fresh, v_fresh are pools with this step's positions before
+    they settled, settled_len(n) how many of n tokens are settled; a query at position t then reads
+    what it would have read as the newest token (attention_settled). A decode is the newest token
+    already, so decodes read the cache as it is.
     """
     if check:
         validate_pool(k_cache, v_cache)
@@ -57,7 +63,13 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
             continue
         k = gather_kv(k_cache, block_tables[b], seq_len)
         v = gather_kv(v_cache, block_tables[b], seq_len)
-        out[lo:hi] = attention_reference(q[lo:hi], k, v, scale, causal=True)
+        if settling is None:
+            out[lo:hi] = attention_reference(q[lo:hi], k, v, scale, causal=True)
+            continue
+        k_fresh, v_fresh, settled_len = settling
+        settled = torch.tensor([settled_len(t + 1) for t in range(seq_len - (hi - lo), seq_len)])
+        out[lo:hi] = attention_settled(q[lo:hi], k, v, gather_kv(k_fresh, block_tables[b], seq_len),
+                                       gather_kv(v_fresh, block_tables[b], seq_len), settled, scale)
     return out
 
 

@@ -19,6 +19,14 @@ and `residual` newer tokens follow it. Until then it sits in a tail: tail_of[blo
 tail (-1: quantized). So a sequence holds at most cdiv(residual, g) + 1 tails, whatever its length,
 and with residual 0 only its last, partial group is 16-bit.
 
+A step that brings several tokens of one sequence (a prefill chunk, a verify step) would otherwise let
+a query read keys its own decode step would still have held in 16-bit: the groups a later token of
+the same step completes. So each write also keeps, for that layer, the 16-bit values of every group
+the step touches (`fresh_pools`), and attention gives query t the quantized codes only of positions
+below quantized_length(t + 1), the 16-bit values beyond (radarlab.attention.reference.
+attention_settled). A prefill then sees exactly what decoding its tokens one by one would have seen,
+and perplexity measured in one prefill is the perplexity of generation.
+
 Each step's plan is made once, when layer 0 writes (the model writes layers 0 .. L-1 in order): which
 groups the step touches, which tail each reads from, which are quantized now and which keep (or get)
 a tail. Tails come from a free list; a group whose first position is written afresh reuses the tail a
@@ -77,6 +85,7 @@ class KiviStore:
         self.tail_len = [0] * num_tail_groups
         self.free = list(range(num_tail_groups - 1, -1, -1))
         self.plan: dict | None = None
+        self.fresh: tuple | None = None  # (layer, k [n, g, H, D], v): the last write's groups in 16-bit
 
     def block_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros]
@@ -131,7 +140,11 @@ class KiviStore:
         slots = slot_mapping.tolist()
         rows = [(i, index[(s // B, (s % B) // g)], s % g) for i, s in enumerate(slots) if s >= 0]
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.k.device)
-        self.plan = dict(
+        fresh_of = torch.full_like(self.tail_of, -1)  # (block, group) -> this step's item, or -1
+        if keys:
+            fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys))
+        self.fresh = None
+        self.plan = dict(fresh_of=fresh_of,
             blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
             src=t([items[k][0] for k in keys]), dst=t([items[k][3] for k in keys]),
             valid=t([items[k][2] for k in keys]), skip=t([skip[k] for k in keys]),
@@ -167,6 +180,7 @@ class KiviStore:
             raise RuntimeError("kivi: write before begin_step (layer 0 plans each step)")
         n, (H, D) = p["blocks"].numel(), k.shape[1:]
         if n == 0:
+            self.fresh = (layer, k.new_zeros(0, self.group, H, D).half(), k.new_zeros(0, self.group, H, D).half())
             return
         ks = torch.zeros(n, self.group, H, D, device=k.device)
         vs = torch.zeros_like(ks)
@@ -177,8 +191,10 @@ class KiviStore:
         if bool(from_codes.any()):
             old_k, old_v = self._decode_groups(layer, p["blocks"][from_codes], p["groups"][from_codes])
             ks[from_codes], vs[from_codes] = old_k, old_v
-        ks[p["item"], p["offset"]] = k[p["token"]].float()
-        vs[p["item"], p["offset"]] = v[p["token"]].float()
+        # Rounded to 16 bits first, as a token that waited in a tail would be: the same codes either way.
+        ks[p["item"], p["offset"]] = k[p["token"]].half().float()
+        vs[p["item"], p["offset"]] = v[p["token"]].half().float()
+        self.fresh = (layer, ks.half(), vs.half())
         keep = p["dst"] >= 0
         if bool(keep.any()):
             self.k_tail[layer, p["dst"][keep]] = ks[keep].half()
@@ -242,16 +258,20 @@ class KiviStore:
                     self.tail_len[new] = self.tail_len[tail]
                     self.tail_of[d, gib] = new
 
-    def pools(self, layer: int) -> tuple["KiviPool", "KiviPool"]:
-        return KiviPool(self, layer, keys=True), KiviPool(self, layer, keys=False)
+    def pools(self, layer: int, fresh: bool = False) -> tuple["KiviPool", "KiviPool"]:
+        """K and V of one layer as stored; fresh=True: with this step's groups in their 16-bit values."""
+        if fresh and (self.fresh is None or self.fresh[0] != layer):
+            raise RuntimeError(f"kivi: no write of layer {layer} in this step to read 16-bit values from")
+        return KiviPool(self, layer, keys=True, fresh=fresh), KiviPool(self, layer, keys=False, fresh=fresh)
 
 
 class KiviPool:
     """One layer's K or V of a KiviStore, read as [num_blocks, block_size, H, D]: pool[blocks] decodes
-    only those blocks, then lays the 16-bit tails over the groups that have one."""
+    only those blocks, then lays the 16-bit tails over the groups that have one (fresh: and this
+    step's groups, in the 16-bit values they had before quantizing)."""
 
-    def __init__(self, store: KiviStore, layer: int, keys: bool) -> None:
-        self.store, self.layer, self.keys = store, layer, keys
+    def __init__(self, store: KiviStore, layer: int, keys: bool, fresh: bool = False) -> None:
+        self.store, self.layer, self.keys, self.fresh = store, layer, keys, fresh
         payload = store.k[layer] if keys else store.v[layer]
         self.shape = torch.Size((*payload.shape[:3], payload.shape[3] * 2))
         self.device = payload.device
@@ -268,7 +288,16 @@ class KiviPool:
         else:
             x = int4.dequantize(s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks], g, s.fmt.scale_dtype)
             tail = s.v_tail[L]
-        which = s.tail_of.to(x.device)[blocks]  # [..., NG]
-        tails = tail[which.clamp(min=0)].float().flatten(-4, -3)  # [..., B, H, D]
-        has = (which >= 0).repeat_interleave(g, dim=-1)[..., None, None]
-        return torch.where(has, tails, x)
+        x = _overlay(x, s.tail_of.to(x.device)[blocks], tail, g)
+        if self.fresh:
+            x = _overlay(x, s.plan["fresh_of"].to(x.device)[blocks], s.fresh[1 if self.keys else 2], g)
+        return x
+
+
+def _overlay(x: torch.Tensor, which: torch.Tensor, groups: torch.Tensor, g: int) -> torch.Tensor:
+    """x [..., B, H, D] with group i of each block replaced by groups[which[..., i]] where which >= 0."""
+    if not bool((which >= 0).any()):
+        return x
+    over = groups[which.clamp(min=0)].float().flatten(-4, -3)  # [..., B, H, D]
+    has = (which >= 0).repeat_interleave(g, dim=-1)[..., None, None]
+    return torch.where(has, over, x)

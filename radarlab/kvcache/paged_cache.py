@@ -40,6 +40,7 @@ from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.kvcache.kivi_store import KiviStore, default_tail_groups, tail_bytes
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES, SinkPool, SinkStore
 from radarlab.quant.formats import KVFormat, kv_format
+from radarlab.quant.kivi import quantized_length
 from radarlab.quant.kv_codec import (QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width,
                                      zero_dtype)
 from radarlab.quant.rotation import rotate, rotation_matrix
@@ -197,11 +198,12 @@ class PagedKVCache:
             raise ValueError(f"{fmt.name}: a block of {block_size} tokens is not a whole number of bytes")
         return int(total)
 
-    def layer_pools(self, layer: int):
-        """(K, V) of one layer as attention reads them: plain tensors, or QuantizedPool views."""
+    def layer_pools(self, layer: int, fresh: bool = False):
+        """(K, V) of one layer as attention reads them: plain tensors, or QuantizedPool views
+        (fresh: KIVI's, with this step's groups as they were before quantizing)."""
         if not self.kv_format.is_quantized:
             return self.k[layer], self.v[layer]
-        pools = self._encoded_pools(layer)
+        pools = self.kivi.pools(layer, fresh) if fresh else self._encoded_pools(layer)
         if self.sinks is not None:
             return tuple(SinkPool(p, self.sinks, layer, keys) for p, keys in zip(pools, (True, False)))
         return pools
@@ -345,8 +347,13 @@ class PagedKVCache:
 
             return triton_quant_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
                                                 meta.query_start_loc, scale, check=False)
+        settling = None
+        if self.kivi is not None:  # a query reads what it would have read as the newest token
+            fmt = self.kv_format
+            settling = (*self.layer_pools(layer, fresh=True),
+                        lambda n: quantized_length(n, fmt.group_size, fmt.residual))
         return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, check=False)
+                                     scale, check=False, settling=settling)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:
