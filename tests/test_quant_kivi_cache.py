@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
+from cache_steps import seeded, step_metadata
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.quant import kivi
@@ -15,16 +15,11 @@ H, D, BLOCK = 2, 16, 8
 
 
 def _x(*shape, seed):
-    # values fp16 can hold exactly: the tails store 16 bits, so the reference quantizes the same numbers
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).half().float()
+    return seeded(*shape, seed=seed, half_exact=True)  # the tails store 16 bits
 
 
 def _meta(news, totals, tables):
-    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, n, total in zip(tables, news, totals)
-             for p in range(total - n, total)]
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
-    return AttentionMetadata.from_lens(news, totals, slot_mapping=torch.tensor(slots), block_tables=bt)
+    return step_metadata(news, totals, tables, BLOCK)
 
 
 def _expected(q, k, v, group, residual):

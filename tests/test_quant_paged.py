@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
+from cache_steps import step_metadata
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget, reshape_and_cache
@@ -25,12 +25,7 @@ def _x(*shape, seed):
 
 
 def _step(lens_new, lens_total, tables, block=BLOCK):
-    """Metadata for sequences whose new tokens are the last lens_new of lens_total, slots from tables."""
-    slots = [t[p // block] * block + p % block for t, n, total in zip(tables, lens_new, lens_total)
-             for p in range(total - n, total)]
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
-    return AttentionMetadata.from_lens(lens_new, lens_total, slot_mapping=torch.tensor(slots), block_tables=bt)
+    return step_metadata(lens_new, lens_total, tables, block)
 
 
 def _expected(fmt, q, k, v, scale=0.125):

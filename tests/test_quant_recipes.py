@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
+from cache_steps import seeded, step_metadata
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.kivi_store import default_tail_groups, tail_bytes
 from radarlab.kvcache.memory import kv_footprint
@@ -19,16 +19,11 @@ SCALE = D ** -0.5
 
 
 def _x(*shape, seed):
-    # values fp16 holds exactly, so a 16-bit sink stores the very numbers the reference uses
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).half().float()
+    return seeded(*shape, seed=seed, half_exact=True)  # a 16-bit sink stores the reference's numbers
 
 
 def _meta(news, totals, tables):
-    slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, n, total in zip(tables, news, totals)
-             for p in range(total - n, total)]
-    width = max(len(t) for t in tables)
-    bt = torch.tensor([t + [-1] * (width - len(t)) for t in tables])
-    return AttentionMetadata.from_lens(news, totals, slot_mapping=torch.tensor(slots), block_tables=bt)
+    return step_metadata(news, totals, tables, BLOCK)
 
 
 def _attend(name, q, k, v, backend="torch", table=(3, 0, 5)):
