@@ -74,3 +74,10 @@ def test_a_plan_for_another_step_is_rejected():
     plan = plan_paged_sdpa(case.block_tables, case.seq_lens, case.query_start_loc, 4)
     with pytest.raises(ValueError, match="q has 3 rows but the plan was made for 2 tokens"):
         paged_attention_sdpa(torch.cat([case.q, case.q[:1]]), case.k_cache, case.v_cache, plan, case.scale)
+
+
+def test_the_plan_says_whether_the_step_has_padding_slots():
+    tables, lens, starts = torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), torch.tensor([0, 1, 2])
+    assert plan_paged_sdpa(tables, lens, starts, 4).padded  # no slot mapping given: the write must look
+    assert not plan_paged_sdpa(tables, lens, starts, 4, torch.tensor([4, 15])).padded
+    assert plan_paged_sdpa(tables, lens, starts, 4, torch.tensor([4, -1])).padded

@@ -46,6 +46,7 @@ class PagedSDPAPlan:
     decode_mask: torch.Tensor | None  # [Bd, 1, 1, T] True where position < seq_len; None: all True
     context: int  # T, the longest decode context
     prefills: tuple[PrefillPlan, ...]
+    padded: bool = True  # slot_mapping may hold -1 (padding): the write must look; False: checked, none
 
 
 def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -55,14 +56,16 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
 
 
 def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    block_size: int) -> PagedSDPAPlan:
+                    block_size: int, slot_mapping: torch.Tensor | None = None) -> PagedSDPAPlan:
     """The per-step part of paged attention. The caller has validated the block tables (layout.py):
-    only entries below cdiv(seq_len, block_size) are read."""
+    only entries below cdiv(seq_len, block_size) are read. With the step's slot_mapping, the plan
+    also says whether any slot is padding (-1), so that no layer's KV write has to check again."""
     seq_lens = seq_lens.long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     device = block_tables.device
     is_decode = query_lens == 1
     bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()  # the step's one sync
+    padded = slot_mapping is None or bool((slot_mapping < 0).any())
     decode_rows = decode_slots = decode_mask = None
     context = 0
     if any(decodes):
@@ -88,7 +91,7 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
             mask = (torch.arange(seq_len, device=device)[None, :]
                     <= first + torch.arange(hi - lo, device=device)[:, None])
         prefills.append(PrefillPlan(lo, hi, slots, mask))
-    return PagedSDPAPlan(bounds[-1], decode_rows, decode_slots, decode_mask, context, tuple(prefills))
+    return PagedSDPAPlan(bounds[-1], decode_rows, decode_slots, decode_mask, context, tuple(prefills), padded)
 
 
 def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: PagedSDPAPlan,

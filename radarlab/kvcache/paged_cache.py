@@ -47,16 +47,18 @@ from radarlab.quant.rotation import rotate, rotation_matrix
 from radarlab.util import require_int, require_power_of_two
 
 def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype: str | KVFormat = "auto",
-                      k_scale=1.0, v_scale=1.0) -> None:
+                      k_scale=1.0, v_scale=1.0, *, padded: bool = True) -> None:
     """The KV write in torch: token t's k[t], v[t] ([kv_heads, D]) go to slot_mapping[t], -1 skipped.
 
     Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks),
     with its kv_cache_dtype, k_scale and v_scale: an fp8 cache given as plain uint8 pools stores
     encode(k / k_scale). Formats that keep scales beside the codes are written through QuantizedPool
-    pools (PagedKVCache passes them), which carry their own scales. The caller validates the slots.
+    pools (PagedKVCache passes them), which carry their own scales. The caller validates the slots;
+    padded=False says it also found no -1 among them (once per step), which spares every layer's
+    write a check that is a host sync on a GPU.
     """
     slots = slot_mapping.long()
-    if bool((slots < 0).any()):
+    if padded and bool((slots < 0).any()):
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     fmt = kv_format(kv_cache_dtype)
@@ -305,7 +307,7 @@ class PagedKVCache:
 
     def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         return replace(meta, plan=plan_paged_sdpa(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                  self.block_size))
+                                                  self.block_size, meta.slot_mapping))
 
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables.
@@ -325,13 +327,15 @@ class PagedKVCache:
     def _attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if self.kv_format.is_quantized:
             return self._attend_quantized(layer, q, k, v, meta, scale)
-        self._write(layer, k, v, meta.slot_mapping)
         if self.backend == "triton":
             from radarlab.attention.triton_paged import triton_paged_attention
 
+            self._write(layer, k, v, meta.slot_mapping)
             return triton_paged_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
                                           meta.query_start_loc, scale, check=False)
-        # The torch path: SDPA over gathered rows (sdpa_paged.py), equal to paged_attention_torch.
+        # The torch path: SDPA over gathered rows (sdpa_paged.py), equal to paged_attention_torch. The
+        # step's plan knows whether any slot is padding, so no layer's write has to look.
+        reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping, padded=meta.plan.padded)
         return paged_attention_sdpa(q, self.k[layer], self.v[layer], meta.plan, scale)
 
     def _attend_quantized(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
