@@ -24,15 +24,37 @@ def our_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
     return model(token_ids, meta.positions, cache, meta)
 
 
+def random_prompts(vocab_size: int, lengths, seed: int = 0) -> dict[int, torch.Tensor]:
+    """One prompt of random token ids per length, the same for a given seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randint(0, vocab_size, (n,), generator=gen) for n in lengths}
+
+
 def max_logit_error(model, hf_model, lengths=(1, 17, 128, 512), seed: int = 0) -> dict[int, float]:
     """max |our logits - transformers logits| over all positions, per prompt length (random tokens)."""
-    gen = torch.Generator().manual_seed(seed)
     errors = {}
-    for n in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
+    for n, ids in random_prompts(model.config.vocab_size, lengths, seed).items():
         with torch.inference_mode():
             ref = hf_model(ids[None]).logits[0]
         errors[n] = (our_logits(model, ids) - ref).abs().max().item()
+    return errors
+
+
+def fp64_logit_errors(model, hf_model, lengths=(1, 17, 128, 512), seed: int = 0) -> dict[int, tuple[float, float]]:
+    """Per prompt length (random tokens): (ours, transformers') max |fp32 logit - exact logit|, exact
+    meaning transformers run in float64. Two fp32 forwards whose GEMMs sum in different orders (oneDNN's
+    packed GEMM and MKL's, say) differ by about their own rounding error, which grows with the prompt
+    (transformers' fp32 is ~1e-3 off at 512 tokens); this asks whether ours is as accurate as theirs."""
+    import copy
+
+    exact = copy.deepcopy(hf_model).double()
+    errors = {}
+    for n, ids in random_prompts(model.config.vocab_size, lengths, seed).items():
+        with torch.inference_mode():
+            want = exact(ids[None]).logits[0]
+            theirs = hf_model(ids[None]).logits[0]
+        ours = our_logits(model, ids)
+        errors[n] = ((ours.double() - want).abs().max().item(), (theirs.double() - want).abs().max().item())
     return errors
 
 
