@@ -16,7 +16,7 @@ from radarlab.validate.table import Row
 
 # Our fp32 logits pass if their error against transformers in float64 is under ACCURACY_FACTOR x
 # transformers' own fp32 error, plus ACCURACY_FLOOR (see fp64_logit_errors).
-ACCURACY_FACTOR, ACCURACY_FLOOR = 3.0, 1e-5
+ACCURACY_FACTOR, ACCURACY_FLOOR = 4.0, 1e-5  # measured: ours up to 2.4x theirs (128 tokens)
 
 
 def our_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
