@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from radarlab.bench.profile import GROUPS, OTHER_OPS, UNPROFILED, format_breakdown, op_breakdown
+from radarlab.models.linear import Linear, onednn_packed_gemm
 
 
 def test_groups_add_up_to_wall_time_and_find_the_matmuls():
@@ -23,6 +24,16 @@ def test_groups_add_up_to_wall_time_and_find_the_matmuls():
     assert groups[OTHER_OPS] > 0  # softmax and sum are not in any group
     text = format_breakdown(b)
     assert text.splitlines()[0].startswith("per step") and "matmuls" in text
+
+
+@pytest.mark.skipif(not onednn_packed_gemm(), reason="torch built without oneDNN's packed linear")
+def test_packed_linear_layers_count_as_matmuls():
+    layer = Linear(256, 256)
+    x = torch.randn(16, 256)
+    with torch.no_grad():
+        layer(x)  # packs once, outside the profiled steps
+        groups = op_breakdown(lambda: layer(x), repeat=3)["groups"]
+    assert groups["matmuls (linear layers, LM head)"] > 0
 
 
 @pytest.mark.parametrize("repeat", [0, -1, 1.5, True])

@@ -1,5 +1,6 @@
 """radarlab.models.linear: same parameters as nn.Linear; on a CPU without bf16 instructions, bf16
-matmuls of many rows run in fp32 and round back, which must agree with the native bf16 GEMM."""
+matmuls of many rows run in fp32 and round back, which must agree with the native bf16 GEMM; inference
+matmuls run through oneDNN's packed weight, which must agree with F.linear and follow weight changes."""
 from __future__ import annotations
 
 import pytest
@@ -8,12 +9,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.models import linear
-from radarlab.models.linear import UPCAST_MIN_ROWS, Linear
+from radarlab.models.linear import UPCAST_MIN_ROWS, Linear, PackedWeight, fused_linear
+
+needs_onednn = pytest.mark.skipif(not linear.onednn_packed_gemm(), reason="torch built without oneDNN's packed linear")
 
 
 @pytest.fixture
 def no_native_half(monkeypatch):
     monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
+
+
+@pytest.fixture
+def count_packs(monkeypatch):
+    """How many times a weight was packed (wraps oneDNN's reorder)."""
+    calls = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    class Ops:
+        _linear_pointwise = torch.ops.mkldnn._linear_pointwise
+
+        @staticmethod
+        def _reorder_linear_weight(*args):
+            calls.append(args[0].shape)
+            return real(*args)
+
+    monkeypatch.setattr(linear.torch.ops, "mkldnn", Ops)
+    return calls
 
 
 def test_state_dict_matches_nn_linear():
@@ -57,20 +78,146 @@ def test_upcast_equals_fp32_math_rounded_to_bf16(no_native_half, bias):
     torch.testing.assert_close(out.float(), native.float(), rtol=2 ** -7, atol=1e-2)
 
 
-def test_packed_row_linear_equals_f_linear_and_survives_copies():
-    """The LM head's one-row path (MKL's packed GEMM where torch has it) gives F.linear's result up to
-    fp32 rounding, repacks when the weight changes, and a model holding it can be deep-copied."""
-    import copy
+def fp32_tolerance(x: torch.Tensor, weight: torch.Tensor) -> float:
+    """Reordered fp32 sums differ by rounding: a few ulps of the largest partial sum |x| . |w|."""
+    return 8 * torch.finfo(torch.float32).eps * float((x.detach().abs().float() @ weight.detach().abs().float().T).max())
 
-    from radarlab.models.linear import PackedRowLinear
+
+@needs_onednn
+@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 5, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_fp32_equals_f_linear(shape, bias):
+    torch.manual_seed(0)
+    layer = Linear(64, 300, bias=bias)
+    x = torch.randn(shape)
+    with torch.no_grad():
+        assert linear.packs(x, layer.weight, layer.bias)
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 300)
+    want = F.linear(x, layer.weight, layer.bias)
+    torch.testing.assert_close(out, want, rtol=0, atol=fp32_tolerance(x, layer.weight))
+
+
+@needs_onednn
+@pytest.mark.skipif(not linear.cpu_has_native_half(), reason="bf16 packs only on CPUs with bf16 instructions")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_equals_f_linear_to_bf16_rounding(bias):
+    torch.manual_seed(0)
+    layer = Linear(96, 200, bias=bias).to(torch.bfloat16)
+    x = torch.randn(2, 8, 96).to(torch.bfloat16)
+    with torch.no_grad():
+        assert linear.packs(x, layer.weight, layer.bias)
+        out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=2 ** -7, atol=1e-2)
+
+
+def test_which_layers_pack(monkeypatch):
+    monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: True)
+    monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
+    w32, x32 = nn.Parameter(torch.zeros(4, 8)), torch.zeros(2, 8)
+    bf = torch.zeros(4, 8, dtype=torch.bfloat16)
+    assert not linear.packs(x32, w32)  # grad enabled and the weight requires it: training
+    with torch.no_grad():
+        assert linear.packs(x32, w32)
+        assert not linear.packs(bf[:2], bf)  # bf16 without bf16 instructions keeps the upcast path
+        assert not linear.packs(x32.double(), w32)  # dtypes differ
+        monkeypatch.setattr(linear, "cpu_has_native_half", lambda: True)
+        assert linear.packs(bf[:2], bf)
+        assert not linear.packs(x32.half(), w32.detach().half())  # fp16 never packs
+    assert linear.packs(x32, w32.detach())  # grad enabled but nothing requires it
+    assert not linear.packs(x32.requires_grad_(), w32.detach())
+    monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: False)
+    with torch.no_grad():
+        assert not linear.packs(torch.zeros(2, 8), w32)
+
+
+def test_without_onednn_falls_back_to_f_linear(monkeypatch):
+    monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: False)
+    torch.manual_seed(0)
+    layer = Linear(64, 32, bias=True)
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        out = layer(x)
+        q, k = fused_linear(x, (layer, Linear(64, 16, bias=True)), PackedWeight())
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=0, atol=0)
+    torch.testing.assert_close(q, out, rtol=0, atol=0)
+    assert layer.packed.weight is None
+
+
+def test_training_gets_gradients_through_f_linear():
+    torch.manual_seed(0)
+    layer = Linear(16, 8, bias=True)
+    x = torch.randn(4, 16)
+    layer(x).square().sum().backward()
+    ref = nn.Linear(16, 8, bias=True)
+    ref.load_state_dict(layer.state_dict())
+    ref(x).square().sum().backward()
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad, rtol=0, atol=0)
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad, rtol=0, atol=0)
+    assert layer.packed.weight is None
+
+
+@needs_onednn
+def test_repacks_when_the_weight_changes(count_packs):
+    torch.manual_seed(0)
+    layer = Linear(64, 300, bias=True)
+    x = torch.randn(4, 64)
+    tol = lambda: fp32_tolerance(x, layer.weight)  # noqa: E731
+    with torch.no_grad():
+        layer(x), layer(x)
+        assert len(count_packs) == 1  # packed once, reused
+        layer.weight.mul_(2)  # in place: the version counter moves
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=tol())
+        layer.bias.add_(1)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=0, atol=tol())
+    other = nn.Linear(64, 300, bias=True)
+    layer.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), other(x), rtol=0, atol=tol())
+        layer.to(torch.float64).to(torch.float32)  # new tensors
+        torch.testing.assert_close(layer(x), other(x), rtol=0, atol=tol())
+    assert len(count_packs) == 5
+
+
+@needs_onednn
+def test_copies_leave_the_packed_weight_behind():
+    import copy
+    import pickle
 
     torch.manual_seed(0)
-    head = PackedRowLinear(64, 300, bias=False)
+    layer = Linear(64, 300, bias=False)
     x = torch.randn(1, 64)
-    torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-4, atol=1e-4)
-    twin = copy.deepcopy(head)  # after a call: the packed copy must not travel
-    torch.testing.assert_close(twin(x), head(x), rtol=0, atol=0)
     with torch.no_grad():
-        head.weight.mul_(2)
-    torch.testing.assert_close(head(x), F.linear(x, head.weight), rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(twin(x), F.linear(x, twin.weight), rtol=1e-4, atol=1e-4)
+        out = layer(x)  # packs: the opaque packed tensor cannot be deep-copied
+        assert layer.packed.weight is not None
+        for twin in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+            assert twin.packed.weight is None
+            torch.testing.assert_close(twin(x), out, rtol=0, atol=0)
+            twin.weight.mul_(2)
+            torch.testing.assert_close(layer(x), out, rtol=0, atol=0)  # the original is untouched
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_linear_equals_each_layer(bias, count_packs):
+    torch.manual_seed(0)
+    layers = [Linear(64, n, bias=bias) for n in (96, 32, 32)]
+    packed = PackedWeight()
+    x = torch.randn(2, 3, 64)
+    with torch.no_grad():
+        outs = fused_linear(x, layers, packed)
+        fused_linear(x, layers, packed)
+        assert len(count_packs) == 1 and count_packs[0] == (160, 64)  # one stacked weight, packed once
+        for layer, out in zip(layers, outs):
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=0,
+                                       atol=fp32_tolerance(x, layer.weight))
+        layers[1].weight.mul_(-1)  # one member changes: the stack is repacked
+        outs = fused_linear(x, layers, packed)
+        torch.testing.assert_close(outs[1], F.linear(x, layers[1].weight, layers[1].bias), rtol=0,
+                                   atol=fp32_tolerance(x, layers[1].weight))
+    assert len(count_packs) == 2
+    # with gradients needed, each layer runs on its own through F.linear
+    outs = fused_linear(x, layers, packed)
+    assert all(out.requires_grad for out in outs)
+    assert len(count_packs) == 2

@@ -11,9 +11,13 @@ from radarlab.models.llama import Llama, LlamaConfig, apply_rope, rope_inv_freq
 from radarlab.validate import hf as hfcheck
 
 
-def test_logits_match_transformers_1_to_512_tokens(model, hf_model):
-    errors = hfcheck.max_logit_error(model, hf_model, lengths=(1, 2, 17, 100, 512))
-    assert max(errors.values()) < hfcheck.LOGIT_TOL, errors
+def test_logits_as_accurate_as_transformers_1_to_512_tokens(model, hf_model):
+    """Against transformers in float64, our fp32 logits are within 4x transformers' own fp32 error
+    (+1e-5). A fixed 1e-4 to transformers' fp32 held only while both ran the same GEMM kernels: our
+    linears sum in oneDNN's order, and transformers' fp32 itself is ~1e-3 off at 512 tokens. Measured:
+    ours/theirs 3.3e-5/1.5e-5 at 1 token, 1.4e-4/2.7e-4 at 100, 2.0e-3/1.0e-3 at 512."""
+    errors = hfcheck.fp64_logit_errors(model, hf_model, lengths=(1, 2, 17, 100, 512))
+    assert all(hfcheck.as_accurate(ours, theirs) for ours, theirs in errors.values()), errors
 
 
 def test_greedy_64_tokens_identical_on_8_prompts(model, hf_model, prompts, tokenizer):

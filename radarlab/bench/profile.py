@@ -19,7 +19,8 @@ from typing import Callable
 from radarlab.util import require_int
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm"),
+    # mkldnn::_linear_pointwise: a linear layer on its pre-packed weight (radarlab.models.linear)
+    "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
     "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
     "attention: scores, softmax, weighted sum": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
                                                  "aten::masked_fill",

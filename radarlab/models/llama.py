@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.models.linear import Linear, PackedRowLinear
+from radarlab.models.linear import Linear, PackedWeight, fused_linear
 from radarlab.util import require_int
 
 SUPPORTED_MODEL_TYPES = {"llama"}
@@ -137,13 +137,15 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.v_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
         self.o_proj = Linear(config.num_heads * config.head_dim, config.hidden_size, bias=bias)
+        self.qkv_packed = PackedWeight()  # q, k and v stacked, for one GEMM (radarlab.models.linear)
         self.scale = config.head_dim ** -0.5
 
     def forward(self, x, cos, sin, kv_cache: KVCacheBackend, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rope(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
+        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         out = kv_cache.attend(self.layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -157,9 +159,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.gate_up_packed = PackedWeight()  # gate and up stacked, for one GEMM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -184,7 +188,7 @@ class Llama(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = PackedRowLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)

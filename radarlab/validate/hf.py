@@ -1,8 +1,9 @@
 """Our forward pass against transformers: logits and greedy tokens, fp32.
 
-The reference is transformers with attn_implementation="eager" (plain-math attention). Its default
-sdpa path differs from eager itself by about 1e-4 in logits at 512 tokens, so eager is the fair
-reference for a 1e-4 tolerance; we report both.
+The reference is transformers with attn_implementation="eager" (plain-math attention). Logits are
+judged against transformers run in float64: our fp32 linears sum in oneDNN's order, not in the order
+of the kernel transformers calls, so the two fp32 forwards differ by their own rounding error (about
+1e-3 at 512 tokens), and the fair question is whether ours is as accurate as transformers' fp32.
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.models.generate import greedy_generate
 from radarlab.validate.table import Row
 
-LOGIT_TOL = 1e-4
+# Our fp32 logits pass if their error against transformers in float64 is under ACCURACY_FACTOR x
+# transformers' own fp32 error, plus ACCURACY_FLOOR (see fp64_logit_errors).
+ACCURACY_FACTOR, ACCURACY_FLOOR = 4.0, 1e-5  # measured: ours up to 2.4x theirs (128 tokens)
 
 
 def our_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
@@ -24,16 +27,29 @@ def our_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
     return model(token_ids, meta.positions, cache, meta)
 
 
-def max_logit_error(model, hf_model, lengths=(1, 17, 128, 512), seed: int = 0) -> dict[int, float]:
-    """max |our logits - transformers logits| over all positions, per prompt length (random tokens)."""
+def fp64_logit_errors(model, hf_model, lengths=(1, 17, 128, 512), seed: int = 0) -> dict[int, tuple[float, float]]:
+    """Per prompt length (random tokens): (ours, transformers') max |fp32 logit - exact logit|, exact
+    meaning transformers run in float64. Two fp32 forwards whose GEMMs sum in different orders (oneDNN's
+    packed GEMM and MKL's, say) differ by about their own rounding error, which grows with the prompt
+    (transformers' fp32 is ~1e-3 off at 512 tokens); this asks whether ours is as accurate as theirs."""
+    import copy
+
+    exact = copy.deepcopy(hf_model).double()
     gen = torch.Generator().manual_seed(seed)
     errors = {}
     for n in lengths:
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=gen)
         with torch.inference_mode():
-            ref = hf_model(ids[None]).logits[0]
-        errors[n] = (our_logits(model, ids) - ref).abs().max().item()
+            want = exact(ids[None]).logits[0]
+            theirs = hf_model(ids[None]).logits[0]
+        ours = our_logits(model, ids)
+        errors[n] = ((ours.double() - want).abs().max().item(), (theirs.double() - want).abs().max().item())
     return errors
+
+
+def as_accurate(ours: float, theirs: float) -> bool:
+    """Is our fp32 error (against float64) within the allowance around transformers' own?"""
+    return ours < ACCURACY_FACTOR * theirs + ACCURACY_FLOOR
 
 
 def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: int | None) -> list[int]:
@@ -53,12 +69,13 @@ def greedy_mismatches(model, hf_model, prompts: list[list[int]], max_new_tokens:
 
 
 def rows(model, hf_model, prompts: list[list[int]], eos_token_id: int | None) -> list[Row]:
-    errors = max_logit_error(model, hf_model)
-    worst = max(errors.values())
+    errors = fp64_logit_errors(model, hf_model)
+    ours, theirs = max(e[0] for e in errors.values()), max(e[1] for e in errors.values())
     bad = greedy_mismatches(model, hf_model, prompts, 64, eos_token_id)
     return [
-        Row(f"fp32 logits, prompts of {min(errors)}-{max(errors)} tokens", "transformers (eager)",
-            f"max |dlogit| {worst:.2e}", f"< {LOGIT_TOL:g}", worst < LOGIT_TOL),
+        Row(f"fp32 logits, prompts of {min(errors)}-{max(errors)} tokens", "transformers (eager) in fp64",
+            f"max |dlogit| {ours:.2e}", f"< {ACCURACY_FACTOR:g} x transformers' fp32 ({theirs:.2e}) + {ACCURACY_FLOOR:g}",
+            all(as_accurate(*e) for e in errors.values())),
         Row(f"greedy tokens, {len(prompts)} prompts x 64, batched", "transformers generate",
             f"{len(prompts) - len(bad)}/{len(prompts)} identical", "all identical", not bad),
     ]
