@@ -93,7 +93,7 @@ class HeadDrafter:
             self.done[s] = len(feats[s])
         lens = [len(feats[s]) for s in seqs]
 
-        def next_step(live: list[int]):
+        def next_step(live: list[int], _tokens: list[int]):
             for i in live:
                 lens[i] += 1
             rows = [seqs[i] for i in live]

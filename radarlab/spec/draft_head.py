@@ -70,9 +70,9 @@ def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks,
     yet from the target's true features, packed: token i+1, feature f_i; the head's output at each
     sequence's last position is its first guess. ks[s]: drafts wanted from sequence s. Then, while
     any sequence wants more, pick(logits [live, len(rows)], live) turns the head's guesses into
-    target token ids, and next_step(live) gives (metadata of one new query per sequence, the
-    sequences that got one: a paged cache may run out of slots); the head reads each sequence's own
-    last output as the next feature. Returns the drafts per sequence."""
+    target token ids, and next_step(live, tokens) gives (metadata of one new query per sequence for
+    the token it just drafted, the sequences that got one: a paged cache may run out of slots); the
+    head reads each sequence's own last output as the next feature. Returns the drafts per sequence."""
     ids, features, meta = catch_up
     g = head(embed(ids), features, meta.positions, cache, meta)[meta.query_start_loc[1:] - 1]
     drafts: list[list[int]] = [[] for _ in ks]
@@ -84,7 +84,7 @@ def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks,
         wanting = [s for s in live if len(drafts[s]) < ks[s]]
         if not wanting:
             break
-        meta, kept = next_step(wanting)
+        meta, kept = next_step(wanting, [drafts[s][-1] for s in wanting])
         if not kept:
             break
         g = g[[live.index(s) for s in kept]]
