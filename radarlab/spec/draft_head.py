@@ -26,6 +26,7 @@ from radarlab.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 VOCAB_FILE = "draft_vocab.json"  # not .safetensors: vLLM loads every safetensors file it finds
+TRAINED_HEAD = Path(__file__).parent / "weights" / "smollm2-135m-eagle"  # the course model's, trained here
 
 
 class DraftHead(nn.Module):
