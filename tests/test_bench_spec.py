@@ -149,3 +149,12 @@ def test_tiny_run_with_vllm(tmp_path):
             ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0, **{k: r[k] for k in SpecRun([], 1.0).counters()})
                             for r in (by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]))
             assert counters_agree(ours, theirs), (ours.counters(), theirs.counters())
+
+
+def test_draft_method_is_the_trained_eagle_head_unless_a_draft_model_is_given(tmp_path):
+    from radarlab.spec.draft_head import TRAINED_HEAD
+
+    assert SpecBenchConfig(draft_k=3).speculative_config("draft") == \
+        {"method": "eagle", "num_speculative_tokens": 3, "model": str(TRAINED_HEAD)}
+    config = SpecBenchConfig(draft_model=str(tmp_path)).speculative_config("draft")
+    assert config["method"] == "draft_model" and config["model"] == str(tmp_path)
