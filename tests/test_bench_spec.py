@@ -154,6 +154,7 @@ def test_tiny_run_with_vllm(tmp_path):
 def test_draft_method_is_the_trained_eagle_head_unless_a_draft_model_is_given(tmp_path):
     from radarlab.spec.draft_head import TRAINED_HEAD
 
+    (tmp_path / "config.json").write_text("{}")
     assert SpecBenchConfig(draft_k=3).speculative_config("draft") == \
         {"method": "eagle", "num_speculative_tokens": 3, "model": str(TRAINED_HEAD)}
     config = SpecBenchConfig(draft_model=str(tmp_path)).speculative_config("draft")
