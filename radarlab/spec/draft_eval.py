@@ -72,7 +72,9 @@ def ngram_lookup(tokens: list[int], k: int) -> list[int]:
 
 class HeadDrafter:
     """The draft head over a batch of sequences, with its own one-layer contiguous cache.
-    rows: the head's output rows of the LM head (the draft vocabulary, or all of it) and their ids."""
+    rows: the head's output rows of the LM head (the draft vocabulary, or all of it) and their ids.
+    The drafting loop is draft_head.draft_chain, the one the engine's EagleProposer runs: what this
+    module measures is what the engine drafts."""
 
     def __init__(self, head: DraftHead, target, num_seqs: int, max_len: int, vocab: torch.Tensor | None) -> None:
         self.head, self.target = head, target

@@ -10,6 +10,9 @@ head owns only fc and one layer: 4.2 M parameters for the course model.
 This is the layout vLLM's EAGLE-1 Llama head uses (vllm/model_executor/models/llama_eagle.py):
 checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden layer, no final norm,
 embedding and LM head shared with the target when the checkpoint has none.
+
+draft_chain is the drafting loop (catch up on true features, then k steps on the head's own), shared
+by the evaluator's contiguous cache (draft_eval) and the engine's paged one (radarlab.spec.eagle).
 """
 from __future__ import annotations
 
