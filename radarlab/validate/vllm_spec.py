@@ -94,15 +94,16 @@ def counters_agree(ours: SpecRun, vllm: SpecRun) -> bool:
     """Whether vLLM's counters are ours plus at most one verify step per request at its end.
 
     The only difference allowed is where each request ends. We cut drafts to the tokens max_tokens
-    still allows (none when one token is left); vLLM's n-gram proposer caps only at max_model_len, so
-    its last drafts may run past max_tokens, and the tokens accepted there are dropped from the
-    output. So per request vLLM may count one more draft, more draft tokens, and one more acceptance
-    at any position; nothing else."""
+    still allows (none when one token is left); vLLM's proposers cap only at max_model_len, so its
+    last drafts may run past max_tokens, and the tokens accepted there are dropped from the output.
+    So per request vLLM may count one more draft, up to 1 + 2 + ... + k more draft tokens (its last
+    k steps, where we draft k - 1, k - 2, ..., 0: a draft that is rarely accepted meets them all),
+    and one more acceptance at any position; nothing else."""
     batch, k = len(ours.outputs), max(len(ours.num_accepted_tokens_per_pos), 1)
     extra_pos = [b - a for a, b in zip(ours.num_accepted_tokens_per_pos, vllm.num_accepted_tokens_per_pos)]
     return (len(ours.num_accepted_tokens_per_pos) == len(vllm.num_accepted_tokens_per_pos)
             and 0 <= vllm.num_drafts - ours.num_drafts <= batch
-            and 0 <= vllm.num_draft_tokens - ours.num_draft_tokens <= batch * (2 * k - 1)
+            and 0 <= vllm.num_draft_tokens - ours.num_draft_tokens <= batch * k * (k + 1) // 2
             and all(0 <= d <= batch for d in extra_pos)
             and vllm.num_accepted_tokens - ours.num_accepted_tokens == sum(extra_pos))
 
