@@ -66,6 +66,11 @@ def test_counters_agree_allows_only_each_requests_last_draft():
     assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 166, [40, 36, 31, 29, 29]))  # sum mismatch
     two = SpecRun([[0] * 8] * 2, 1.0, 4, 10, 5, [3, 2])
     assert counters_agree(two, SpecRun([[0] * 8] * 2, 1.0, 6, 14, 9, [5, 4]))  # one more per request
+    # measured: the trained EAGLE head, k=4, 4 prompts x 48 tokens, rarely accepted: over each request's last
+    # 4 steps we draft 3, 2, 1, 0 tokens where vLLM drafts 4 each: up to 10 more per request
+    eagle = SpecRun([[0] * 48] * 4, 1.0, 151, 584, 33, [28, 4, 1, 0])
+    assert counters_agree(eagle, SpecRun([[0] * 48] * 4, 1.0, 155, 620, 35, [30, 4, 1, 0]))
+    assert not counters_agree(eagle, SpecRun([[0] * 48] * 4, 1.0, 155, 625, 35, [30, 4, 1, 0]))  # 41 > 4 x 10
 
 
 def row(system, method, workload, b, tps):
@@ -149,3 +154,13 @@ def test_tiny_run_with_vllm(tmp_path):
             ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0, **{k: r[k] for k in SpecRun([], 1.0).counters()})
                             for r in (by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]))
             assert counters_agree(ours, theirs), (ours.counters(), theirs.counters())
+
+
+def test_draft_method_is_the_trained_eagle_head_unless_a_draft_model_is_given(tmp_path):
+    from radarlab.spec.draft_head import TRAINED_HEAD
+
+    (tmp_path / "config.json").write_text("{}")
+    assert SpecBenchConfig(draft_k=3).speculative_config("draft") == \
+        {"method": "eagle", "num_speculative_tokens": 3, "model": str(TRAINED_HEAD)}
+    config = SpecBenchConfig(draft_model=str(tmp_path)).speculative_config("draft")
+    assert config["method"] == "draft_model" and config["model"] == str(tmp_path)

@@ -184,7 +184,7 @@ def test_bad_speculative_config_raises(tiny):
                                          r"\['method', 'num_speculative_tokens', 'prompt_lookup_min'"):
         make({"method": "ngram", "num_spec_tokens": 3})
     with pytest.raises(ValueError, match="method must be one of"):
-        make({"method": "eagle", "num_speculative_tokens": 3})
+        make({"method": "medusa", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match="needs num_speculative_tokens"):
         make({"method": "ngram"})
     with pytest.raises(ValueError, match="num_speculative_tokens must be a non-negative int"):

@@ -6,7 +6,7 @@ Subcommands:
   latency      TTFT, inter-token latency and throughput under Poisson arrivals, swept over request rates
   quant        KV-cache formats: bytes per token, attention error, perplexity through the paged cache,
                and how many long requests the engine runs at once on a fixed KV byte budget
-  spec         tokens/s with and without speculative decoding (n-gram, draft model), radarlab and vLLM
+  spec         tokens/s with and without speculative decoding (n-gram, trained EAGLE head), radarlab and vLLM
 """
 from __future__ import annotations
 

@@ -4,9 +4,11 @@ Each system decodes the same prompts, fp32, greedy, EOS ignored, max_tokens new 
 requests submitted at once, prefix caching off, with three methods:
 - none: plain decoding;
 - ngram: prompt lookup, vLLM's method and names (k = 5, prompt_lookup_min 2, prompt_lookup_max 4);
-- draft: vLLM's draft_model method with --draft-model as the draft (default: the course model
-  itself, which accepts nearly everything but costs as much as the target: an upper bound on
-  acceptance and a lower bound on speed).
+- draft: the EAGLE-style head trained here (radarlab.spec.draft_head.TRAINED_HEAD, k = 4), method
+  "eagle" in both systems. Ours ranks the head's draft vocabulary (4,096 tokens); vLLM's EAGLE-1
+  loader does not read it and ranks all 49,152. With --draft-model, vLLM's draft_model method with
+  that Llama as the draft instead (the course model itself accepts nearly everything but costs as
+  much as the target: an upper bound on acceptance and a lower bound on speed).
 Two workloads (radarlab.bench.workload): copy (repeat a standard-library function given in the
 prompt, where prompt lookup finds the continuation) and free (chat prompts with nothing to copy).
 Batch size B takes the first B prompts of a workload.
@@ -41,7 +43,7 @@ class SpecBenchConfig:
     prompt_lookup_min: int = NGRAM_CONFIG["prompt_lookup_min"]
     prompt_lookup_max: int = NGRAM_CONFIG["prompt_lookup_max"]
     draft_k: int = DRAFT_K
-    draft_model: str | None = None  # a Llama directory or HF id; None is the course model
+    draft_model: str | None = None  # a Llama directory or HF id for draft_model; None: the trained EAGLE head
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -66,6 +68,10 @@ class SpecBenchConfig:
         if method == "ngram":
             return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
                     "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        if method == "draft" and self.draft_model is None:
+            from radarlab.spec.draft_head import TRAINED_HEAD
+
+            return {"method": "eagle", "num_speculative_tokens": self.draft_k, "model": str(TRAINED_HEAD)}
         if method == "draft":
             from radarlab.models.loader import resolve_model
 
@@ -168,8 +174,9 @@ def report(config: SpecBenchConfig, results: list[dict], info: dict) -> dict:
     env["torch_threads"] = torch.get_num_threads()
     env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
     params = asdict(config)
-    params["draft"] = ("draft_model with " + (config.draft_model or "the course model itself") +
-                       " as the draft")
+    params["draft"] = (f"draft_model with {config.draft_model} as the draft" if config.draft_model else
+                       "eagle: the trained head (radarlab.spec.draft_head.TRAINED_HEAD); radarlab ranks its "
+                       "draft vocabulary, vLLM the full vocabulary")
     ups = speedups(results)
     return {"benchmark": "spec", "parameters": params, "environment": env, "results": results,
             "speedups": ups, "outputs_equal": equal_outputs(info.get("outputs", {})), "goal": goal(ups)}
@@ -210,8 +217,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="n-gram k (%(default)s)")
     parser.add_argument("--prompt-lookup-min", type=int, default=c.prompt_lookup_min, help="(%(default)s)")
     parser.add_argument("--prompt-lookup-max", type=int, default=c.prompt_lookup_max, help="(%(default)s)")
-    parser.add_argument("--draft-k", type=int, default=c.draft_k, help="draft model k (%(default)s)")
-    parser.add_argument("--draft-model", default=None, help="draft Llama directory (default: the course model)")
+    parser.add_argument("--draft-k", type=int, default=c.draft_k, help="k of method draft (%(default)s)")
+    parser.add_argument("--draft-model", default=None,
+                        help="a Llama directory: method draft runs vLLM's draft_model with it, not the trained EAGLE head")
     parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
 
 

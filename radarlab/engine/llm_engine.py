@@ -10,6 +10,7 @@ With speculative_config (radarlab.spec.speculative_config: vLLM's keys), each st
 drafts for the decoding requests and appends them to their tokens; the step's forward pass then
 verifies them (logits at the last token and at every draft), radarlab.spec.rejection decides how
 many are accepted, and the scheduler rolls back the rest. spec_stats counts drafts and acceptances.
+A proposer with an `observe` method (EAGLE) also gets the target's features of every computed token.
 """
 from __future__ import annotations
 
@@ -138,8 +139,15 @@ class Engine:
             return outputs
         self.cache.copy_blocks(sched.copy_pairs)
         num_logits = [1 + k for k in sched.num_spec_tokens]  # a verify step needs a row per draft too
+        observe = getattr(self.proposer, "observe", None)  # a proposer that reads the target's features
         logits = paged_step(self.model, self.cache, self.manager, sched.requests, sched.num_computed_tokens,
-                            sched.num_scheduled_tokens, num_logits if any(sched.num_spec_tokens) else None)
+                            sched.num_scheduled_tokens, num_logits if any(sched.num_spec_tokens) else None,
+                            return_features=observe is not None)
+        if observe is not None:
+            logits, features = logits
+            starts = itertools.accumulate(sched.num_scheduled_tokens, initial=0)
+            for r, done, lo, n in zip(sched.requests, sched.num_computed_tokens, starts, sched.num_scheduled_tokens):
+                observe(r, done, features[lo:lo + n])
         self.scheduler.update(sched)
         self.num_steps += 1
         if self.spec_stats is not None:

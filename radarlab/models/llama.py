@@ -253,3 +253,13 @@ class Llama(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(x)
+
+
+def final_features(model: Llama, input_ids, positions, kv_cache, meta) -> torch.Tensor:
+    """The normed last hidden states [T, hidden] of packed tokens: what the LM head reads, and what an
+    EAGLE-style draft head (radarlab.spec.draft_head) reads as the target's features."""
+    x = model.embed_tokens(input_ids)
+    cos, sin = model.rope(positions, x.dtype)
+    for layer in model.layers:
+        x = layer(x, cos, sin, kv_cache, meta)
+    return model.norm(x)

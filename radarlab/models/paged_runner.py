@@ -23,6 +23,7 @@ from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import check_prompts
+from radarlab.models.llama import final_features
 
 def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num_computed_tokens: SequenceType[int],
                    num_scheduled_tokens: SequenceType[int], device: str | torch.device | None = None
@@ -57,14 +58,18 @@ def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num
 @torch.inference_mode()
 def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: SequenceType[Sequence],
                num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None,
-               num_logits: SequenceType[int] | None = None) -> torch.Tensor:
+               num_logits: SequenceType[int] | None = None, return_features: bool = False):
     """One packed forward pass; returns logits [len(seqs), vocab] after each sequence's last
     scheduled token. num_scheduled_tokens defaults to every token with a slot not yet computed (a
     whole prefill, or the one new token of a decode step). Token ids come from the sequences.
 
     num_logits[b] > 1 returns the logits after each of sequence b's last num_logits[b] scheduled
     tokens instead (a speculative verify step: the last accepted token and its drafts), all rows of
-    sequence 0 first: [sum(num_logits), vocab]."""
+    sequence 0 first: [sum(num_logits), vocab].
+
+    return_features=True returns (logits, features): features [num scheduled tokens, hidden] are the
+    normed last hidden states of every scheduled token, packed (what an EAGLE draft head reads; the
+    whole prefill's too, so the head can build its own cache from them). Off by default: no cost."""
     if num_scheduled_tokens is None:
         num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
     device = cache.k.device
@@ -74,7 +79,11 @@ def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: Seq
     last = meta.query_start_loc[1:] - 1
     if num_logits is not None:
         last = _last_rows(last, num_logits, num_scheduled_tokens)
-    return model(torch.tensor(ids, device=device), meta.positions, cache, meta, logits_indices=last)
+    ids = torch.tensor(ids, device=device)
+    if return_features:
+        features = final_features(model, ids, meta.positions, cache, meta)
+        return model.lm_head(features[last]), features
+    return model(ids, meta.positions, cache, meta, logits_indices=last)
 
 
 def _last_rows(last: torch.Tensor, num_logits: SequenceType[int], num_scheduled_tokens: SequenceType[int]

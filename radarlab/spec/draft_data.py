@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radarlab.spec.draft_head import final_features
+from radarlab.models.llama import final_features
 from radarlab.util import require_int
 
 HELD_OUT_PERCENT = 5

@@ -33,7 +33,8 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.spec.draft_data import split_files, target_features_batch, token_chunks
-from radarlab.spec.draft_head import DraftHead, final_features, load_head
+from radarlab.models.llama import final_features
+from radarlab.spec.draft_head import DraftHead, draft_chain, load_head
 from radarlab.spec.ngram import ngram_draft
 from radarlab.spec.token_table import TokenTable
 from radarlab.util import require_int
@@ -71,7 +72,9 @@ def ngram_lookup(tokens: list[int], k: int) -> list[int]:
 
 class HeadDrafter:
     """The draft head over a batch of sequences, with its own one-layer contiguous cache.
-    rows: the head's output rows of the LM head (the draft vocabulary, or all of it) and their ids."""
+    rows: the head's output rows of the LM head (the draft vocabulary, or all of it) and their ids.
+    The drafting loop is draft_head.draft_chain, the one the engine's EagleProposer runs: what this
+    module measures is what the engine drafts."""
 
     def __init__(self, head: DraftHead, target, num_seqs: int, max_len: int, vocab: torch.Tensor | None) -> None:
         self.head, self.target = head, target
@@ -81,32 +84,26 @@ class HeadDrafter:
         self.rows = weight[self.vocab].contiguous()
         self.done = [0] * num_seqs  # positions of each sequence the cache holds from true features
 
-    @torch.inference_mode()
     def propose(self, seqs: list[int], tokens: list[list[int]], feats: list[torch.Tensor], ks: list[int]) -> list[list[int]]:
         """For sequence s: catch up on positions done[s] .. len(feats[s]) - 1 (true features f_i and
-        tokens i+1), then draft ks[s] tokens, steps 2.. reading the head's own output."""
-        embed = self.target.embed_tokens
+        tokens i+1), then draft ks[s] tokens, steps 2.. reading the head's own output (draft_chain)."""
         q_lens = [len(feats[s]) - self.done[s] for s in seqs]
         meta = AttentionMetadata.from_lens(q_lens, [len(feats[s]) for s in seqs], cache_rows=torch.tensor(seqs))
         f_in = torch.cat([feats[s][self.done[s]:] for s in seqs])
         ids = torch.tensor([t for s in seqs for t in tokens[s][self.done[s] + 1:len(feats[s]) + 1]])
-        g = self.head(embed(ids), f_in, meta.positions, self.cache, meta)[meta.query_start_loc[1:] - 1]
         for s in seqs:
             self.done[s] = len(feats[s])
-        drafts = [[] for _ in seqs]
         lens = [len(feats[s]) for s in seqs]
-        for step in range(max(ks, default=0)):
-            nxt = self.vocab[(g @ self.rows.T).argmax(-1)]
-            live = [i for i, s in enumerate(seqs) if step < ks[i]]
+
+        def next_step(live: list[int], _tokens: list[int]):
             for i in live:
-                drafts[i].append(int(nxt[i]))
-            if step + 1 >= max(ks):
-                break
-            # next step for every sequence (simpler than dropping finished ones; their extra drafts are cut)
-            lens = [n + 1 for n in lens]
-            meta = AttentionMetadata.from_lens([1] * len(seqs), lens, cache_rows=torch.tensor(seqs))
-            g = self.head(embed(nxt), g, meta.positions, self.cache, meta)
-        return [d[:k] for d, k in zip(drafts, ks)]
+                lens[i] += 1
+            rows = [seqs[i] for i in live]
+            return AttentionMetadata.from_lens([1] * len(live), [lens[i] for i in live],
+                                               cache_rows=torch.tensor(rows)), live
+
+        return draft_chain(self.head, self.target.embed_tokens, self.rows, self.cache, (ids, f_in, meta), ks,
+                           lambda logits, live: self.vocab[logits.argmax(-1)].tolist(), next_step)
 
 
 @torch.inference_mode()

@@ -10,6 +10,9 @@ head owns only fc and one layer: 4.2 M parameters for the course model.
 This is the layout vLLM's EAGLE-1 Llama head uses (vllm/model_executor/models/llama_eagle.py):
 checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden layer, no final norm,
 embedding and LM head shared with the target when the checkpoint has none.
+
+draft_chain is the drafting loop (catch up on true features, then k steps on the head's own), shared
+by the evaluator's contiguous cache (draft_eval) and the engine's paged one (radarlab.spec.eagle).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from radarlab.models.llama import DecoderLayer, LlamaConfig, rope_inv_freq
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 VOCAB_FILE = "draft_vocab.json"  # not .safetensors: vLLM loads every safetensors file it finds
+TRAINED_HEAD = Path(__file__).parent / "weights" / "smollm2-135m-eagle"  # the course model's, trained here
 
 
 class DraftHead(nn.Module):
@@ -62,6 +66,37 @@ class DraftHead(nn.Module):
         return 2 * (own + vocab_size * self.config.hidden_size)
 
 
+@torch.inference_mode()
+def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks, pick, next_step) -> list[list[int]]:
+    """The EAGLE drafting loop, for any cache: one head forward per draft position, batched.
+
+    catch_up = (token ids, features, meta): for each sequence, the positions i whose head K/V is not
+    yet from the target's true features, packed: token i+1, feature f_i; the head's output at each
+    sequence's last position is its first guess. ks[s]: drafts wanted from sequence s. Then, while
+    any sequence wants more, pick(logits [live, len(rows)], live) turns the head's guesses into
+    target token ids, and next_step(live, tokens) gives (metadata of one new query per sequence for
+    the token it just drafted, the sequences that got one: a paged cache may run out of slots); the
+    head reads each sequence's own last output as the next feature. Returns the drafts per sequence."""
+    ids, features, meta = catch_up
+    g = head(embed(ids), features, meta.positions, cache, meta)[meta.query_start_loc[1:] - 1]
+    drafts: list[list[int]] = [[] for _ in ks]
+    live = [s for s, k in enumerate(ks) if k > 0]
+    g = g[live]
+    while live:
+        for s, token in zip(live, pick(g @ rows.T, live)):
+            drafts[s].append(int(token))
+        wanting = [s for s in live if len(drafts[s]) < ks[s]]
+        if not wanting:
+            break
+        meta, kept = next_step(wanting, [drafts[s][-1] for s in wanting])
+        if not kept:
+            break
+        g = g[[live.index(s) for s in kept]]
+        g = head(embed(torch.tensor([drafts[s][-1] for s in kept], device=g.device)), g, meta.positions, cache, meta)
+        live = kept
+    return drafts
+
+
 def draft_config(target: LlamaConfig, intermediate_size: int | None = None) -> LlamaConfig:
     """The head's config: the target's, with one layer (and, if given, a narrower MLP)."""
     fields = asdict(target)
@@ -69,15 +104,6 @@ def draft_config(target: LlamaConfig, intermediate_size: int | None = None) -> L
     if intermediate_size is not None:
         fields["intermediate_size"] = intermediate_size
     return LlamaConfig(**fields)
-
-
-def final_features(model, input_ids, positions, kv_cache, meta) -> torch.Tensor:
-    """The target's normed last hidden states [T, hidden] (what its LM head reads), for packed tokens."""
-    x = model.embed_tokens(input_ids)
-    cos, sin = model.rope(positions, x.dtype)
-    for layer in model.layers:
-        x = layer(x, cos, sin, kv_cache, meta)
-    return model.norm(x)
 
 
 def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,

