@@ -221,3 +221,15 @@ def test_fused_linear_equals_each_layer(bias, count_packs):
     outs = fused_linear(x, layers, packed)
     assert all(out.requires_grad for out in outs)
     assert len(count_packs) == 2
+
+
+def test_a_forward_hook_on_a_fused_member_still_fires():
+    """Notebooks record k_proj's output with a forward hook: fusion must not skip the member's call."""
+    from radarlab.models.linear import Linear, PackedWeight, fused_linear
+
+    layers = [Linear(8, 4, bias=False), Linear(8, 6, bias=False)]
+    seen = []
+    layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+    with torch.no_grad():
+        outs = fused_linear(torch.randn(3, 8), layers, PackedWeight())
+    assert len(seen) == 1 and torch.equal(seen[0], outs[1])

@@ -96,16 +96,21 @@ class DraftModelProposer:
                     int(torch.multinomial(q, 1, generator=self._generator(request)))
                 drafts[i].append(token)
                 probs[i].append(q)
-                if len(drafts[i]) < num_tokens[i]:
-                    seq.append_token_ids([token])
-                    try:
-                        self.cache.copy_blocks(self.manager.append_slots(seq, 1))
-                    except NoFreeBlocks:
-                        seq.truncate(seq.num_tokens - 1)
-                        continue
+                if len(drafts[i]) < num_tokens[i] and self._extend(seq, token):
                     still.append(i)
             active = still
         return [Proposal(d, torch.stack(p) if d else None) for d, p in zip(drafts, probs)]
+
+    def _extend(self, seq, token: int) -> bool:
+        """Append a drafted token to the draft's copy with a slot for it; False (and the token taken
+        back) when the draft's pool is full: that request stops drafting this step."""
+        seq.append_token_ids([token])
+        try:
+            self.cache.copy_blocks(self.manager.append_slots(seq, 1))
+        except NoFreeBlocks:
+            seq.truncate(seq.num_tokens - 1)
+            return False
+        return True
 
     def _sync(self, request) -> bool:
         """Make the draft's copy of the request hold exactly its tokens, with slots for all of them.

@@ -24,7 +24,6 @@ from typing import Hashable, Sequence as SequenceType
 import torch
 
 from radarlab.engine.sampler import probabilities
-from radarlab.kvcache.blocks import NoFreeBlocks
 from radarlab.models.paged_runner import paged_metadata
 from radarlab.spec.draft_head import DraftHead, draft_chain
 from radarlab.spec.draft_model import DraftModelProposer
@@ -125,14 +124,8 @@ class EagleProposer(DraftModelProposer):
         def next_step(live: list[int], tokens: list[int]):
             kept = []
             for j, token in zip(live, tokens):
-                seq = live_seqs[j]
-                seq.append_token_ids([token])
-                try:
-                    self.cache.copy_blocks(self.manager.append_slots(seq, 1))
-                except NoFreeBlocks:
-                    seq.truncate(seq.num_tokens - 1)
-                    continue
-                kept.append(j)
+                if self._extend(live_seqs[j], token):
+                    kept.append(j)
             if not kept:
                 return None, []
             # the new query is the head's input at position num_tokens - 2 (feature g, token just drafted)
