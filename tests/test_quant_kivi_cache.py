@@ -106,8 +106,8 @@ def test_tails_run_out_then_an_untouched_group_is_quantized_early():
 def test_bad_kivi_settings():
     with pytest.raises(ValueError, match=r"kivi groups of 16 tokens must divide block_size \(8\)"):
         PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g16")
-    with pytest.raises(ValueError, match="torch backend only"):
-        PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g4", backend="triton")
+    with pytest.raises(ValueError, match="head_dim .*power of two"):
+        PagedKVCache(1, 4, H, 24, block_size=8, kv_cache_dtype="kivi_g4", backend="triton")
     cache = PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g4")
     with pytest.raises(ValueError, match="written by attend"):
         cache.write(0, _x(1, H, D, seed=0), _x(1, H, D, seed=0), torch.tensor([0]))
@@ -128,3 +128,21 @@ def test_greedy_and_engine_run_kivi():
     engine = Engine(model, 30, block_size=4, kv_cache_dtype="kivi_g4_r4")
     outs = engine.generate([list(range(1, 12)), [3, 4], [5, 6, 7]], SamplingParams(max_tokens=5))
     assert [len(o.output_token_ids) for o in outs] == [5, 5, 5]
+
+
+@pytest.mark.parametrize("name", ["kivi_g4_r4_sink1", "kivi_g4_fp8scales_int8zeros"])
+def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
+    """The whole engine (prefills, decodes, three requests in a batch) with KIVI read by the Triton
+    kernels: the same tokens as the torch path."""
+    from radarlab.engine.llm_engine import Engine
+    from radarlab.engine.params import SamplingParams
+    from radarlab.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    model = Llama(cfg).eval()
+    prompts = [list(range(1, 12)), [3, 4], [5, 6, 7, 8, 9]]
+    outs = [[o.output_token_ids for o in Engine(model, 30, block_size=4, kv_cache_dtype=name, backend=backend)
+             .generate(prompts, SamplingParams(max_tokens=9))] for backend in ("torch", "triton")]
+    assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [9, 9, 9]

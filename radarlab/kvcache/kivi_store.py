@@ -62,12 +62,12 @@ class KiviStore:
     """Every tensor and the tail bookkeeping of a KIVI-format PagedKVCache."""
 
     def __init__(self, fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device, num_tail_groups: int | None = None) -> None:
+                 head_dim: int, device, num_tail_groups: int | None = None, backend: str = "torch") -> None:
         g = fmt.group_size
         if block_size % g:
             raise ValueError(f"kivi groups of {g} tokens must divide block_size ({block_size}): a key group "
                              f"never straddles two blocks")
-        self.fmt, self.group, self.block_size = fmt, g, block_size
+        self.fmt, self.group, self.block_size, self.backend = fmt, g, block_size, backend
         self.num_groups = block_size // g
         L, N, B, H, D = num_layers, num_blocks, block_size, num_kv_heads, head_dim
         md = meta_dtype(fmt)
@@ -140,11 +140,11 @@ class KiviStore:
         slots = slot_mapping.tolist()
         rows = [(i, index[(s // B, (s % B) // g)], s % g) for i, s in enumerate(slots) if s >= 0]
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.k.device)
-        fresh_of = torch.full_like(self.tail_of, -1)  # (block, group) -> this step's item, or -1
+        fresh_of = torch.full(self.tail_of.shape, -1, dtype=torch.long, device=self.k.device)  # -> step's item
         if keys:
-            fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys))
+            fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys), device=self.k.device)
         self.fresh = None
-        self.plan = dict(fresh_of=fresh_of,
+        self.plan = dict(fresh_of=fresh_of, tail_of=self.tail_of.to(self.k.device),  # on the device, once a step
             blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
             src=t([items[k][0] for k in keys]), dst=t([items[k][3] for k in keys]),
             valid=t([items[k][2] for k in keys]), skip=t([skip[k] for k in keys]),
@@ -221,6 +221,10 @@ class KiviStore:
             return torch.gather(x, 1, pick[:, :, None, None].expand_as(x))
 
         ks, vs = fill(ks, first), fill(vs, torch.zeros_like(valid))
+        if self.backend == "triton":
+            from radarlab.attention.triton_quant import triton_kivi_quantize_groups
+
+            return triton_kivi_quantize_groups(self, layer, ks, vs, blocks, groups)
         packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype,
                                                    self.fmt.int8_zeros)
         slots = self._rows(blocks, groups).reshape(-1)

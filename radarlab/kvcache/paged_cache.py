@@ -108,6 +108,8 @@ class PagedKVCache:
             raise ValueError(f"backend must be one of {self.BACKENDS}, got {backend!r}")
         fmt = kv_format(kv_cache_dtype).resolve(dtype)
         fmt.check_head_dim(head_dim)
+        if backend == "triton" and fmt.is_quantized:  # no padded lanes inside a group in those kernels
+            require_power_of_two("head_dim (the quantized Triton kernels)", head_dim)
         self.kv_format = fmt
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
@@ -115,10 +117,8 @@ class PagedKVCache:
         self.dtype = dtype  # what attention returns; the pool itself stores fmt.storage_dtype
         lead = (num_layers, num_blocks, block_size, num_kv_heads)
         if fmt.kind == "kivi":  # its own layout: key scales per group of tokens, 16-bit tails (kivi_store.py)
-            if backend != "torch":
-                raise ValueError(f"{fmt.name} runs on the torch backend only (no Triton kernel reads KIVI blocks yet)")
             self.kivi = KiviStore(fmt, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
-                                  num_tail_groups)
+                                  num_tail_groups, backend)
             self.k, self.v = self.kivi.k, self.kivi.v
             self.k_scales, self.v_scales = self.kivi.k_scales, self.kivi.v_scales
             self.k_zeros, self.v_zeros = self.kivi.k_zeros, self.kivi.v_zeros
@@ -140,9 +140,6 @@ class PagedKVCache:
             raise ValueError(f"k_scale and v_scale are static fp8 scales; {fmt.name} takes none (got {k_scale!r}, "
                              f"{v_scale!r})")
         self.rotation = (rotation_matrix(fmt.rotation, head_dim).to(device) if fmt.rotation else None)
-        if backend == "triton" and (fmt.sink or fmt.int8_zeros):
-            raise ValueError(f"{fmt.name}: sink and int8zeros run on the torch backend only (no Triton kernel "
-                             f"reads them yet)")
         self.sinks = (SinkStore(fmt.sink, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
                                 num_sinks) if fmt.sink else None)
 
@@ -345,12 +342,13 @@ class PagedKVCache:
                 if store is not None:
                     store.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
         self._write(layer, k, v, meta.slot_mapping)
-        k_pool, v_pool = self.layer_pools(layer)
-        if self.backend == "triton":
+        if self.backend == "triton":  # KIVI's pools carry this step's 16-bit groups: the settled-prefix rule
             from radarlab.attention.triton_quant import triton_quant_paged_attention
 
+            k_pool, v_pool = self.layer_pools(layer, fresh=self.kivi is not None)
             return triton_quant_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
                                                 meta.query_start_loc, scale, check=False)
+        k_pool, v_pool = self.layer_pools(layer)
         settling = None
         if self.kivi is not None:  # a query reads what it would have read as the newest token
             fmt = self.kv_format
