@@ -2,7 +2,10 @@
 greedy (any batch, chunked prefill, preemption), its drafts equal draft_eval's reference drafter
 (tiny model with a head trained here, and the course model with the committed head), stochastic
 drafts' q, paged_step's features, and bad configs. The head trained on the tiny model's own greedy
-continuations accepts often, so rollback and multi-position catch-up run."""
+continuations accepts often, so rollback and multi-position catch-up run.
+Method "ngram_eagle" (n-gram first, the head elsewhere): greedy output equals plain greedy, the head's
+drafts after n-gram steps equal a fresh head's on the whole history, mixed q in one sampled batch,
+and bad configs."""
 from __future__ import annotations
 
 import random
@@ -22,6 +25,8 @@ from radarlab.spec.draft_data import target_features_batch
 from radarlab.spec.draft_eval import speculative_generate
 from radarlab.spec.draft_head import DraftHead, draft_config, load_head
 from radarlab.spec.eagle import EagleProposer
+from radarlab.spec.ngram import NgramProposer
+from radarlab.spec.ngram_eagle import NgramEagleProposer
 from radarlab.spec.train_draft import train
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "radarlab" / "spec" / "weights" / "smollm2-135m-eagle"
@@ -62,20 +67,27 @@ def eagle(model, k=3):
     (3, 14, 24),  # preemption: the recompute's features replace the old ones
 ])
 def test_greedy_equals_plain_greedy(tiny, head_dir, workload, batch, num_blocks, budget):
+    engine = run_greedy(tiny, eagle(str(head_dir)), workload, batch, num_blocks, budget)
+    assert engine.spec_stats.num_accepted_tokens_per_pos[1] > 0  # whole drafts accepted: multi-position catch-up ran
+    if num_blocks == 14:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def run_greedy(tiny, config, workload, batch, num_blocks, budget):
+    """The first `batch` prompts through the engine: outputs equal plain greedy, some drafts are
+    accepted and some rejected, and the head holds nothing afterwards. Returns the engine."""
     prompts, ref = workload
     prompts, ref = prompts[:batch], ref[:batch]
     engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget,
-                    speculative_config=eagle(str(head_dir)))
-    outs = engine.generate(prompts, SamplingParams(max_tokens=NEW))
+                    speculative_config=config)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=len(ref[0])))
     assert [o.output_token_ids for o in outs] == ref
     stats = engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.num_accepted_tokens_per_pos[1] > 0  # whole drafts accepted: multi-position catch-up ran
-    if num_blocks == 14:
-        assert engine.scheduler.num_preemptions > 0
-    proposer = engine.proposer
-    assert not proposer.seqs and not proposer.features
-    assert proposer.manager.num_free_blocks == proposer.manager.num_blocks
+    head = getattr(engine.proposer, "eagle", engine.proposer)  # ngram_eagle's head, or eagle's proposer
+    assert not head.seqs and not head.features
+    assert head.manager.num_free_blocks == head.manager.num_blocks
+    return engine
 
 
 def test_engine_drafts_equal_the_reference_drafter(tiny, head_dir, workload):
@@ -175,7 +187,7 @@ def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
         make({"method": "eagle", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match=r"unknown speculative_config keys \['draft_vocab'\]"):
         make({**eagle(str(head_dir)), "draft_vocab": None})
-    with pytest.raises(ValueError, match="prompt_lookup_max belongs to method 'ngram', not 'eagle'"):
+    with pytest.raises(ValueError, match=r"prompt_lookup_max belongs to methods \['ngram', 'ngram_eagle'\], not 'eagle'"):
         make({**eagle(str(head_dir)), "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="needs a draft head .* got Llama"):
         make(eagle(tiny))
@@ -190,3 +202,130 @@ def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
         make(eagle((head, torch.tensor([3, 200]))))
     with pytest.raises(ValueError, match="num_speculative_tokens must be"):
         EagleProposer(head, tiny, None, -1, 16, 4)
+
+
+# --- method "ngram_eagle" (radarlab.spec.ngram_eagle): the n-gram's drafts first, the head's elsewhere ---
+
+@pytest.fixture(scope="module")
+def lookup_workload(tiny):
+    """Longer prompts, so that 1-gram lookups match now and then: the sources alternate within a
+    request, the head sometimes drafting again after several n-gram steps."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(128) for _ in range(n)] for n in (24, 30, 40)]
+    return prompts, greedy_generate(tiny, prompts, 24)
+
+
+def ngram_eagle(model, k=3):
+    return {"method": "ngram_eagle", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "model": model}
+
+
+def record_sources(proposer):
+    """Per request, the source of each proposal: 'n' n-gram, 'e' the head, '-' none. The head's
+    proposals are recorded with the request they were made for."""
+    history, head_calls = {}, []
+    ngram_propose, eagle_propose = proposer.ngram.propose, proposer.eagle.propose
+
+    def ngram(requests, num_tokens):
+        proposals = ngram_propose(requests, num_tokens)
+        for r, p in zip(requests, proposals):
+            history.setdefault(r.request_id, []).append("n" if p.draft_token_ids else "-")
+        return proposals
+
+    def eagle(requests, num_tokens):
+        proposals = eagle_propose(requests, num_tokens)
+        for r, k, p in zip(requests, num_tokens, proposals):
+            history[r.request_id][-1] = "e" if p.draft_token_ids else "-"
+            head_calls.append((r, k, p))
+        return proposals
+
+    proposer.ngram.propose, proposer.eagle.propose = ngram, eagle
+    return history, head_calls
+
+
+@pytest.mark.parametrize("batch, num_blocks, budget", [
+    (1, 128, 512),
+    (3, 128, 512),
+    (3, 24, 48),  # preemption: the recompute's features replace the old ones
+])
+def test_ngram_eagle_greedy_equals_plain_greedy(tiny, head_dir, lookup_workload, batch, num_blocks, budget):
+    engine = run_greedy(tiny, ngram_eagle(str(head_dir)), lookup_workload, batch, num_blocks, budget)
+    by_source = engine.proposer.num_drafts_by_source
+    assert by_source["ngram"] > 0 and by_source["eagle"] > 0
+    assert by_source["ngram"] + by_source["eagle"] >= engine.spec_stats.num_drafts  # preemption drops some unverified
+    if num_blocks == 24:
+        assert engine.scheduler.num_preemptions > 0
+
+
+def test_ngram_eagle_head_drafts_as_if_it_had_drafted_every_step(tiny, head_dir, lookup_workload):
+    """After steps the n-gram drafted, the head catches up on every position it skipped: its first
+    draft's q equals that of a fresh EagleProposer given the whole history's features at once
+    (sampled requests, so that q is there to compare: it shows more than an argmax would)."""
+    prompts, _ = lookup_workload
+    head, vocab = load_head(head_dir, tiny.config)
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=ngram_eagle((head, vocab)))
+    history, head_calls = record_sources(engine.proposer)
+    snapshots = []
+    eagle_propose = engine.proposer.eagle.propose
+
+    def snapshot(requests, num_tokens):  # the requests change after the call: copy what a fresh proposer reads
+        for r in requests:  # skipped: the n-gram steps since the head last drafted for r
+            before = "".join(history[r.request_id][:-1])
+            snapshots.append((list(r.all_token_ids), len(before) - len(before.rstrip("n"))))
+        return eagle_propose(requests, num_tokens)
+
+    engine.proposer.eagle.propose = snapshot
+    engine.generate(prompts, SamplingParams(temperature=1.0, max_tokens=24, seed=7))
+    assert max(skipped for _, skipped in snapshots) >= 2
+    assert len(head_calls) == len(snapshots) == engine.proposer.num_drafts_by_source["eagle"]
+    for (r, _, proposal), (tokens, _) in zip(head_calls, snapshots):
+        fresh = EagleProposer(head, tiny, vocab, 1, 128, 4)
+        feats, _ = target_features_batch(tiny, torch.tensor([tokens]))
+        request = type(r)(r.request_id, tokens, r.params, block_size=4)
+        fresh.observe(request, 0, feats[0, :-1])
+        torch.testing.assert_close(proposal.draft_probs[0], fresh.propose([request], [1])[0].draft_probs[0])
+
+
+def test_ngram_eagle_mixes_one_hot_and_head_q_in_a_sampled_batch(tiny, head_dir, lookup_workload):
+    prompts, ref = lookup_workload
+    sampled = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=11)
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=ngram_eagle(str(head_dir)))
+    calls = []
+    propose = engine.proposer.propose
+
+    def recording(requests, num_tokens):
+        proposals = propose(requests, num_tokens)
+        calls.append([(r.params.greedy, p) for r, p in zip(requests, proposals) if p.draft_token_ids])
+        return proposals
+
+    engine.proposer.propose = recording
+    first = engine.generate(prompts, [sampled, SamplingParams(max_tokens=24), sampled])
+    assert first[1].output_token_ids == ref[1]
+    kinds = [{p.draft_probs is None for greedy, p in call if not greedy} for call in calls]
+    assert {True, False} in kinds  # one step verified an n-gram draft (one-hot q) beside a head draft with q
+    for call in calls:
+        for greedy, p in call:
+            if p.draft_probs is not None:
+                assert not greedy and p.draft_probs.shape == (len(p.draft_token_ids), 128)
+    alone = Engine(tiny, num_blocks=128, block_size=4, speculative_config=ngram_eagle(str(head_dir)))
+    assert alone.generate(prompts[2:], [sampled])[0].output_token_ids == first[2].output_token_ids
+
+
+def test_bad_ngram_eagle_config_raises(tiny, head_dir):
+    def make(config):
+        return Engine(tiny, num_blocks=16, block_size=4, speculative_config=config)
+
+    with pytest.raises(ValueError, match="method 'ngram_eagle' needs a model"):
+        make({"method": "ngram_eagle", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="method 'ngram_eagle' needs a draft head .* got Llama"):
+        make(ngram_eagle(tiny))
+    with pytest.raises(ValueError, match="prompt_lookup_min=3 must be <= prompt_lookup_max=2"):
+        make({**ngram_eagle(str(head_dir), k=0), "prompt_lookup_min": 3, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match=r"method must be one of \[.*'ngram_eagle'\], got 'ngram\+eagle'"):
+        make({**ngram_eagle(str(head_dir)), "method": "ngram+eagle"})
+    with pytest.raises(ValueError, match=r"unknown speculative_config keys \['draft_vocab'\]"):
+        make({**ngram_eagle(str(head_dir)), "draft_vocab": None})
+    assert make(ngram_eagle(str(head_dir), k=0)).proposer is None  # k = 0: plain decoding
+    head, vocab = load_head(head_dir, tiny.config)
+    with pytest.raises(ValueError, match="n-gram proposer drafts 2 tokens, the EAGLE proposer 3"):
+        NgramEagleProposer(NgramProposer(2, 1, 3), EagleProposer(head, tiny, vocab, 3, 16, 4))

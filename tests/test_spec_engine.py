@@ -191,7 +191,7 @@ def test_bad_speculative_config_raises(tiny):
         make({"method": "ngram", "num_speculative_tokens": -2})
     with pytest.raises(ValueError, match="needs a model"):
         make({"method": "draft_model", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match="prompt_lookup_min belongs to method 'ngram'"):
+    with pytest.raises(ValueError, match=r"prompt_lookup_min belongs to methods \['ngram', 'ngram_eagle'\], not 'draft_model'"):
         make({**draft_config(tiny), "prompt_lookup_min": 2})
     with pytest.raises(ValueError, match="must be a dict"):
         make([("method", "ngram")])

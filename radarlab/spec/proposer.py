@@ -31,7 +31,8 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   no features.
 
 Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer,
-radarlab.spec.eagle.EagleProposer.
+radarlab.spec.eagle.EagleProposer, and radarlab.spec.ngram_eagle.NgramEagleProposer (n-gram first,
+then the EAGLE head).
 A trained draft plugs in as a DraftModelProposer: pass it as
 `Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
 where draft is a radarlab Llama (or anything with its forward signature and a .config with
