@@ -110,11 +110,14 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     if plan.decode_slots is not None:
         out[plan.decode_rows] = _decode(q[plan.decode_rows], k_rows, v_rows, plan, scale)
     for p in plan.prefills:
-        k = k_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, D]; a 16-bit
-        v = v_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)  # pool under an fp32 model is read up
-        o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1), k, v, attn_mask=p.mask, scale=scale,
+        # [1, kv_heads, seq_len, D]: a 16-bit pool under an fp32 model is read up. Four dimensions, not
+        # three: with 3-D inputs torch's CPU dispatch skips its fused flash kernel for the unfused math
+        # path (measured: a 300-token prefill 3.6 -> 1.3 ms per layer, a 6-token verify 118 -> 65 us).
+        k = k_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
+        v = v_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
+        o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k, v, attn_mask=p.mask, scale=scale,
                                            is_causal=p.mask is None, enable_gqa=gqa)
-        out[p.lo:p.hi] = o.transpose(0, 1)
+        out[p.lo:p.hi] = o[0].transpose(0, 1)
     return out
 
 
