@@ -7,7 +7,8 @@ import json
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
-from radarlab.bench.speculation import SpecBenchConfig, format_table, goal, speedups, workload_prompts
+from radarlab.bench.speculation import (SpecBenchConfig, fastest, format_table, goal, result_row, speedups,
+                                       workload_prompts)
 from radarlab.bench.workload import copy_prompts, free_prompts, source_functions
 from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
                                          VLLM_NUM_DRAFTS, SpecRun, counters_agree, spec_counters)
@@ -96,11 +97,20 @@ def test_speedups_and_goal():
     ({"batch_sizes": ()}, "batch_sizes"), ({"batch_sizes": (0,)}, "batch_sizes"),
     ({"methods": ("ngram", "eagle")}, "methods"), ({"workloads": ("copy", "copy")}, "workloads"),
     ({"systems": ()}, "systems"), ({"max_tokens": 0}, "max_tokens"),
-    ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_min"),
+    ({"prompt_lookup_min": 5, "prompt_lookup_max": 4}, "prompt_lookup_min"), ({"repeats": 0}, "repeats"),
 ])
 def test_bad_config_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SpecBenchConfig(**kwargs)
+
+
+def test_the_fastest_of_repeated_runs_counts():
+    runs = [SpecRun([[1, 2]], 2.0, num_drafts=1), SpecRun([[1, 2]], 0.5, num_drafts=2), SpecRun([[1, 2]], 1.0)]
+    row = result_row("radarlab", "ngram", "copy", runs)
+    assert row["tokens_per_s"] == 4.0 and row["num_drafts"] == 2 and row["repeats"] == 3
+    assert row["tokens_per_s_runs"] == [1.0, 4.0, 2.0]
+    with pytest.raises(ValueError, match="different outputs"):
+        fastest([SpecRun([[1, 2]], 1.0), SpecRun([[1, 3]], 0.5)])
 
 
 def test_bad_flag_names_the_flag(capsys):

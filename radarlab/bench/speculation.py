@@ -13,6 +13,11 @@ Two workloads (radarlab.bench.workload): copy (repeat a standard-library functio
 prompt, where prompt lookup finds the continuation) and free (chat prompts with nothing to copy).
 Batch size B takes the first B prompts of a workload.
 
+A cell is one generate() of max_tokens per request: at batch 1 that is one or two seconds, so a
+busy moment of a shared machine moves it by several percent. With --repeats R each cell runs R
+times (vLLM: R generate() calls in its one process) and the fastest counts, since noise only ever
+adds time; every run's tokens/s is kept in the row.
+
 vLLM runs in one process per method (its speculative_config is fixed per engine), timed inside the
 worker, start-up excluded. The speedup of a method is its tokens/s over the same system's "none"
 at the same workload and batch size: ratios within one run, so a shared, busy CPU cancels out.
@@ -45,9 +50,11 @@ class SpecBenchConfig:
     draft_k: int = DRAFT_K
     draft_model: str | None = None  # a Llama directory or HF id for draft_model; None: the trained EAGLE head
     seed: int = 0
+    repeats: int = 1  # runs per cell; the fastest counts
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_k"):
+        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_k",
+                     "repeats"):
             require_int(name, getattr(self, name))
         require_int("seed", self.seed, minimum=0)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -91,11 +98,23 @@ def workload_prompts(tokenizer, workload: str, num_prompts: int, seed: int) -> l
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def result_row(system: str, method: str, workload: str, run: SpecRun) -> dict:
+def fastest(runs: list[SpecRun]) -> SpecRun:
+    """The run that counts among repeats of one cell. Repeats are the same greedy work, so their
+    outputs must agree; ValueError if not."""
+    if not runs:
+        raise ValueError("no runs")
+    if any(r.outputs != runs[0].outputs for r in runs):
+        raise ValueError("repeats of one cell gave different outputs: greedy decoding is not deterministic here")
+    return min(runs, key=lambda r: r.seconds)
+
+
+def result_row(system: str, method: str, workload: str, runs: list[SpecRun]) -> dict:
+    """One cell: the fastest run's figures, and every run's tokens/s."""
+    run = fastest(runs)
     return {"system": system, "method": method, "workload": workload, "batch_size": len(run.outputs),
             "tokens_per_s": run.tokens_per_s, "acceptance_rate": run.acceptance_rate,
             "mean_accepted": run.mean_accepted, "output_tokens": run.output_tokens, "seconds": run.seconds,
-            **run.counters()}
+            "repeats": len(runs), "tokens_per_s_runs": [r.tokens_per_s for r in runs], **run.counters()}
 
 
 def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[dict], dict]:
@@ -110,8 +129,9 @@ def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[di
     cases = [(w, b) for w in config.workloads for b in config.batch_sizes]
     results, info, outputs = [], {}, {}
 
-    def record(system, method, workload, r: SpecRun):
-        results.append(result_row(system, method, workload, r))
+    def record(system, method, workload, runs: list[SpecRun]):
+        results.append(result_row(system, method, workload, runs))
+        r = fastest(runs)
         outputs[(system, method, workload, len(r.outputs))] = r.outputs
         rate = "-" if r.acceptance_rate is None else f"{r.acceptance_rate:.2f}"
         log(f"{system:>8} {method:>5} {workload:>4} batch {len(r.outputs):>3}: {r.tokens_per_s:7.1f} tok/s, "
@@ -122,11 +142,14 @@ def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[di
         if "radarlab" in config.systems:
             run_radarlab_spec(model, prompts[cases[0][0]][:2], 4, spec)  # warm-up
             for w, b in cases:
-                record("radarlab", method, w, run_radarlab_spec(model, prompts[w][:b], config.max_tokens, spec))
+                record("radarlab", method, w, [run_radarlab_spec(model, prompts[w][:b], config.max_tokens, spec)
+                                               for _ in range(config.repeats)])
         if "vllm" in config.systems:
-            runs, info["vllm"] = run_vllm_spec([prompts[w][:b] for w, b in cases], config.max_tokens, spec)
-            for (w, _), r in zip(cases, runs):
-                record("vllm", method, w, r)
+            R = config.repeats
+            runs, info["vllm"] = run_vllm_spec([prompts[w][:b] for w, b in cases for _ in range(R)],
+                                               config.max_tokens, spec)
+            for i, (w, _) in enumerate(cases):
+                record("vllm", method, w, runs[i * R:(i + 1) * R])
     return results, {**info, "outputs": outputs}
 
 
@@ -221,6 +244,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help="a Llama directory: method draft runs vLLM's draft_model with it, not the trained EAGLE head")
     parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
+    parser.add_argument("--repeats", type=int, default=c.repeats,
+                        help="runs per cell, the fastest counts (%(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
@@ -229,7 +254,8 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
                            systems=comma_names(args.systems), max_tokens=args.max_tokens,
                            num_speculative_tokens=args.num_speculative_tokens,
                            prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-                           draft_k=args.draft_k, draft_model=args.draft_model, seed=args.seed)
+                           draft_k=args.draft_k, draft_model=args.draft_model, seed=args.seed,
+                           repeats=args.repeats)
 
 
 def main(args: argparse.Namespace) -> int:
