@@ -112,7 +112,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     for p in plan.prefills:
         # [1, kv_heads, seq_len, D]: a 16-bit pool under an fp32 model is read up. Four dimensions, not
         # three: with 3-D inputs torch's CPU dispatch skips its fused flash kernel for the unfused math
-        # path (measured: a 300-token prefill 3.6 -> 1.3 ms per layer, a 6-token verify 118 -> 65 us).
+        # path (measured in the engine, fp32, 2 threads: a 6-token verify step at context 300, 26.8 ->
+        # 24.2 ms; a 275-token prefill's attention, 30 layers, 47 -> 41 ms).
         k = k_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
         v = v_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
         o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k, v, attn_mask=p.mask, scale=scale,
