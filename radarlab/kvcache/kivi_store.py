@@ -143,12 +143,19 @@ class KiviStore:
         fresh_of = torch.full(self.tail_of.shape, -1, dtype=torch.long, device=self.k.device)  # -> step's item
         if keys:
             fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys), device=self.k.device)
+        src, dst = [items[k][0] for k in keys], [items[k][3] for k in keys]
+        # Which items read a tail or old codes, and which keep a tail, as index lists made here: the
+        # layers' writes then branch on their lengths, never on a device tensor (no host sync).
+        from_tail = [i for i, x in enumerate(src) if x >= 0]
+        keep = [i for i, x in enumerate(dst) if x >= 0]
         self.fresh = None
         self.plan = dict(fresh_of=fresh_of, tail_of=self.tail_of.to(self.k.device),  # on the device, once a step
             blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
-            src=t([items[k][0] for k in keys]), dst=t([items[k][3] for k in keys]),
             valid=t([items[k][2] for k in keys]), skip=t([skip[k] for k in keys]),
             token=t([r[0] for r in rows]), item=t([r[1] for r in rows]), offset=t([r[2] for r in rows]),
+            from_tail=t(from_tail), tail_src=t([src[i] for i in from_tail]),
+            from_codes=t([i for i, x in enumerate(src) if x == -2]),
+            keep=t(keep), keep_dst=t([dst[i] for i in keep]), quantize=t([i for i, x in enumerate(dst) if x < 0]),
         )
 
     def _allocate(self, busy: dict) -> int:
@@ -184,24 +191,23 @@ class KiviStore:
             return
         ks = torch.zeros(n, self.group, H, D, device=k.device)
         vs = torch.zeros_like(ks)
-        from_tail, from_codes = p["src"] >= 0, p["src"] == -2
-        if bool(from_tail.any()):
-            ks[from_tail] = self.k_tail[layer, p["src"][from_tail]].float()
-            vs[from_tail] = self.v_tail[layer, p["src"][from_tail]].float()
-        if bool(from_codes.any()):
-            old_k, old_v = self._decode_groups(layer, p["blocks"][from_codes], p["groups"][from_codes])
-            ks[from_codes], vs[from_codes] = old_k, old_v
+        if p["from_tail"].numel():
+            ks[p["from_tail"]] = self.k_tail[layer, p["tail_src"]].float()
+            vs[p["from_tail"]] = self.v_tail[layer, p["tail_src"]].float()
+        if p["from_codes"].numel():
+            rows = p["from_codes"]
+            ks[rows], vs[rows] = self._decode_groups(layer, p["blocks"][rows], p["groups"][rows])
         # Rounded to 16 bits first, as a token that waited in a tail would be: the same codes either way.
         ks[p["item"], p["offset"]] = k[p["token"]].half().float()
         vs[p["item"], p["offset"]] = v[p["token"]].half().float()
         self.fresh = (layer, ks.half(), vs.half())
-        keep = p["dst"] >= 0
-        if bool(keep.any()):
-            self.k_tail[layer, p["dst"][keep]] = ks[keep].half()
-            self.v_tail[layer, p["dst"][keep]] = vs[keep].half()
-        if bool((~keep).any()):
-            self._quantize_groups(layer, ks[~keep], vs[~keep], p["blocks"][~keep], p["groups"][~keep],
-                                  p["valid"][~keep], p["skip"][~keep])
+        if p["keep"].numel():
+            self.k_tail[layer, p["keep_dst"]] = ks[p["keep"]].half()
+            self.v_tail[layer, p["keep_dst"]] = vs[p["keep"]].half()
+        rows = p["quantize"]
+        if rows.numel():
+            self._quantize_groups(layer, ks[rows], vs[rows], p["blocks"][rows], p["groups"][rows], p["valid"][rows],
+                                  p["skip"][rows])
 
     def _rows(self, blocks, groups) -> torch.Tensor:
         """Slots [n, g] of each group's positions."""
