@@ -90,6 +90,21 @@ def run_greedy(tiny, config, workload, batch, num_blocks, budget):
     return engine
 
 
+def test_a_preempted_request_gives_back_the_heads_blocks(tiny, head_dir, workload):
+    """Preemption frees a request's target blocks, and it will be recomputed from its first token:
+    its draft copy goes too (vLLM frees both together), so the head's pool never holds a request the
+    engine is not running, and the others keep drafting."""
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=14, block_size=4, max_num_seqs=3, max_num_batched_tokens=24,
+                    speculative_config=eagle(str(head_dir)))
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=len(ref[0])))
+    while engine.has_unfinished_requests():
+        engine.step()
+        assert set(engine.proposer.seqs) <= {r.request_id for r in engine.scheduler.running}
+    assert engine.scheduler.num_preemptions > 0
+
+
 def test_engine_drafts_equal_the_reference_drafter(tiny, head_dir, workload):
     """Engine(method eagle) and draft_eval's speculative_generate (HeadDrafter on a contiguous cache,
     the target verifying) draft and accept the same, with the head's truncated vocabulary."""

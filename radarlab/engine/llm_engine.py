@@ -134,6 +134,9 @@ class Engine:
         self._propose()
         sched = self.scheduler.schedule()
         self.last_scheduled = sched
+        if self.proposer is not None:  # a preempted request is recomputed from its first token on return:
+            for r in sched.preempted:  # its draft copy goes too, as vLLM frees both together
+                self.proposer.free(r.request_id)
         outputs = [self._output(r, []) for r in sched.errored]
         if not sched.requests:
             return outputs
