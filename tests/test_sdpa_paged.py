@@ -16,6 +16,7 @@ from radarlab.attention.torch_paged import paged_attention_torch
 from test_paged_attention import DECODE_LENS, PREFILL, TOL, make_case, max_error
 
 HEADS = [(4, 2, 16), (9, 3, 64), (2, 2, 8)]  # toy GQA, the course model's, no GQA
+MANY = [(7 * i) % 53 + 1 for i in range(67)]  # 67 decodes of lengths 1..53: four length buckets
 
 
 def both(case, block_size):
@@ -29,8 +30,10 @@ def both(case, block_size):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("lens", [PREFILL, (DECODE_LENS, [1] * len(DECODE_LENS)), ([1], [1]),
-                                  ([7, 40, 3, 18, 1], [1, 6, 1, 18, 1])],
-                         ids=["prefill_chunks_decode_empty", "decodes", "one_token", "mixed"])
+                                  ([7, 40, 3, 18, 1], [1, 6, 1, 18, 1]), (MANY, [1] * len(MANY)),
+                                  (MANY + [30, 12], [1] * len(MANY) + [5, 12])],
+                         ids=["prefill_chunks_decode_empty", "decodes", "one_token", "mixed", "bucketed_decodes",
+                              "bucketed_decodes_and_prefills"])
 def test_sdpa_path_equals_reference(block_size, heads, lens):
     case = make_case(*lens, block_size, *heads, seed=block_size)
     fast, ref = both(case, block_size)
@@ -61,12 +64,27 @@ def test_bf16_stays_bf16_and_matches_the_fp32_math():
 
 def test_decode_only_steps_skip_the_scatter_and_equal_lengths_skip_the_mask():
     plan = plan_paged_sdpa(torch.tensor([[0, 1], [2, 3]]), torch.tensor([5, 8]), torch.tensor([0, 1, 2]), 4)
-    assert plan.decode_rows is None and plan.context == 8 and plan.decode_mask.shape == (2, 1, 1, 8)
-    assert plan.decode_mask[0, 0, 0].tolist() == [True] * 5 + [False] * 3
+    (bucket,) = plan.decodes
+    assert bucket.rows is None and plan.context == 8 and bucket.mask.shape == (2, 1, 1, 8)
+    assert bucket.mask[0, 0, 0].tolist() == [True] * 5 + [False] * 3
     # sequence 0 re-reads its last token (position 4: block 1, row 0 = slot 4) past its length
-    assert plan.decode_slots.view(2, 8)[0].tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
+    assert bucket.slots.view(2, 8)[0].tolist() == [0, 1, 2, 3, 4, 4, 4, 4]
     same = plan_paged_sdpa(torch.tensor([[0, 1], [2, 3]]), torch.tensor([8, 8]), torch.tensor([0, 1, 2]), 4)
-    assert same.decode_mask is None
+    assert same.decodes[0].mask is None
+
+
+def test_many_decodes_go_in_length_buckets():
+    """64 decodes, lengths 1..64 shuffled: four buckets of 16, each padded only to its own longest;
+    16 decodes stay one call."""
+    lens = [(13 * i) % 64 + 1 for i in range(64)]
+    tables = torch.arange(64 * 16).view(64, 16)
+    plan = plan_paged_sdpa(tables, torch.tensor(lens), torch.arange(65), 4)
+    assert [b.context for b in plan.decodes] == [16, 32, 48, 64]
+    for bucket in plan.decodes:  # rows name the decodes of that bucket, by their q row
+        assert sorted(lens[r] for r in bucket.rows.tolist()) == list(range(bucket.context - 15, bucket.context + 1))
+    assert sum(b.slots.numel() for b in plan.decodes) == 16 * (16 + 32 + 48 + 64)  # one bucket: 64 * 64
+    few = plan_paged_sdpa(tables[:16], torch.tensor(lens[:16]), torch.arange(17), 4)
+    assert len(few.decodes) == 1 and few.decodes[0].rows is None
 
 
 def test_a_plan_for_another_step_is_rejected():
