@@ -37,7 +37,7 @@ import triton.language as tl
 from radarlab.attention.layout import validate_block_tables, validate_pool, validate_slot_mapping
 from radarlab.kvcache.kivi_store import KiviPool
 from radarlab.kvcache.sink_store import SinkPool
-from radarlab.quant import fp8
+from radarlab.quant import fp8, int4
 from radarlab.quant.kv_codec import QuantizedPool
 from radarlab.util import require_power_of_two
 
@@ -216,10 +216,6 @@ def _tables(fmt, device):
     return pos, table, meta_pos, meta
 
 
-def _tiny(fmt) -> float:
-    return 2.0**-24 if fmt.scale_dtype == "fp16" else 2.0**-9  # int4._TINY
-
-
 def _check_pools(k_pool, v_pool) -> None:
     inner = [p.inner if isinstance(p, SinkPool) else p for p in (k_pool, v_pool)]
     if all(isinstance(p, KiviPool) for p in inner):
@@ -255,10 +251,11 @@ def _meta_args(pool: QuantizedPool):
     return scales, zeros, scales.stride()
 
 
-def _write(x, slots, payload, scales, zeros, static, static_h, fmt, kind: str, tokens: int) -> None:
+def _write(x, slots, payload, scales, zeros, static, static_h, fmt, kind: str, tokens: int, tables) -> None:
     """One launch of _quant_write_kernel: x [T, H, D] encoded as `kind` (fp8, or int4 along head_dim
-    with fmt's group, symmetry and scale options) into payload (and scales, zeros) at slots."""
-    pos, table, meta_pos, meta = _tables(fmt, x.device)
+    with fmt's group, symmetry and scale options) into payload (and scales, zeros) at slots; tables
+    from _tables, made once for K and V."""
+    pos, table, meta_pos, meta = tables
     zeros = scales if zeros is None else zeros
     _quant_write_kernel[(triton.cdiv(x.shape[0], tokens),)](
         x, slots, payload, scales, zeros, static, pos, table, meta_pos, meta,
@@ -268,7 +265,7 @@ def _write(x, slots, payload, scales, zeros, static, static_h, fmt, kind: str, t
         KIND=1 if kind == "fp8" else 2, TOP=pos.numel() - 1,
         MAX_FINITE=float(pos[-1]), RTZ=fmt.rounding == "rtz", TOKEN_SCALE=fmt.scale_rule == "token_head",
         QGROUP=fmt.group_size or 1, SYMMETRIC=fmt.symmetric, SCALE_FP8=fmt.scale_dtype == "fp8",
-        INT8_ZEROS=fmt.int8_zeros, TINY=_tiny(fmt),
+        INT8_ZEROS=fmt.int8_zeros, TINY=int4.SMALLEST_SCALE[fmt.scale_dtype],
     )
 
 
@@ -290,10 +287,11 @@ def triton_quant_reshape_and_cache(k, v, k_pool: QuantizedPool, v_pool: Quantize
     if k.shape[0] == 0:
         return
     slot_mapping = slot_mapping.contiguous()
+    tables = _tables(k_pool.fmt, k.device)
     for x, pool in ((k, k_pool), (v, v_pool)):
         scales, zeros, _ = _meta_args(pool)
         _write(x, slot_mapping, pool.payload, scales, zeros, *_static(pool), pool.fmt, pool.fmt.kind,
-               _pow2(tokens_per_program))
+               _pow2(tokens_per_program), tables)
 
 
 @triton.jit
@@ -340,17 +338,18 @@ def triton_kivi_quantize_groups(store, layer: int, ks, vs, blocks, groups) -> No
     if n == 0:
         return
     require_power_of_two("head_dim (quantized Triton kernels)", D)
-    _, _, meta_pos, meta = _tables(fmt, ks.device)
+    tables = _tables(fmt, ks.device)
+    _, _, meta_pos, meta = tables
     payload, scales, zeros = store.k[layer], store.k_scales[layer], store.k_zeros[layer]
     _kivi_key_write_kernel[(n,)](
         ks.float().contiguous(), blocks.contiguous(), groups.contiguous(), payload, scales, zeros, meta_pos, meta, H,
         *payload.stride(), *scales.stride(),
         G=g, HEADS_PAD=_pow2(H), DIM=D, SCALE_FP8=fmt.scale_dtype == "fp8", INT8_ZEROS=fmt.int8_zeros,
-        TINY=_tiny(fmt),
+        TINY=int4.SMALLEST_SCALE[fmt.scale_dtype],
     )
     slots = ((blocks * store.block_size + groups * g)[:, None] + torch.arange(g, device=blocks.device)).reshape(-1)
     _write(vs.reshape(n * g, H, D).float(), slots.contiguous(), store.v[layer], store.v_scales[layer],
-           store.v_zeros[layer], meta, 0, fmt, "int4", 4)
+           store.v_zeros[layer], meta, 0, fmt, "int4", 4, tables)
 
 
 # --------------------------------------------------------------------------------------------------

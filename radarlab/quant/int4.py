@@ -27,7 +27,7 @@ from radarlab.quant.formats import SCALE_DTYPES
 from radarlab.util import require_int
 
 FP16_MAX = 65504.0
-_TINY = {"fp16": 2.0**-24, "fp8": 2.0**-9}  # the smallest positive scale each dtype stores
+SMALLEST_SCALE = {"fp16": 2.0**-24, "fp8": 2.0**-9}  # the smallest positive scale each dtype stores
 
 
 def check_group(group_size, dim: int) -> int:
@@ -98,7 +98,7 @@ def quantize_codes(x: torch.Tensor, group_size: int, symmetric: bool = True, sca
     n = x.shape[-1]
     g = check_group(group_size, n)
     xg = x.float().reshape(*x.shape[:-1], n // g, g)
-    tiny = _TINY[_check_scale_dtype(scale_dtype)]
+    tiny = SMALLEST_SCALE[_check_scale_dtype(scale_dtype)]
     if symmetric:
         scale = (xg.abs().amax(-1) / 7).clamp(min=tiny)
         s_stored = store_meta(scale, scale_dtype, "up")
