@@ -111,7 +111,7 @@ def test_report_holds_only_what_this_run_measured():
 
 
 @pytest.mark.vllm
-def test_end_to_end_three_systems(tmp_path, capsys):
+def test_end_to_end_every_system(tmp_path, capsys):
     path = tmp_path / "throughput.json"
     code = bench_main(["throughput", "--batch-sizes", "1,3", "--dtypes", "float32", "--max-tokens", "4",
                        "--json", str(path)])
@@ -119,7 +119,7 @@ def test_end_to_end_three_systems(tmp_path, capsys):
     doc = json.loads(path.read_text())
     assert doc["benchmark"] == "throughput" and doc["environment"]["vllm_vllm_version"]
     got = {(r["system"], r["batch_size"]) for r in doc["results"]}
-    assert got == {(s, b) for s in ("radarlab", "transformers", "vllm") for b in (1, 3)}
+    assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm") for b in (1, 3)}
     for r in doc["results"]:
         assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s"}
         assert r["dtype"] == "float32" and r["output_tokens"] == 4 * r["batch_size"]
@@ -127,6 +127,7 @@ def test_end_to_end_three_systems(tmp_path, capsys):
     # the systems did the same work: fp32 greedy continuations agree
     for row in doc["ratios"]:
         assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
+        assert row["outputs_equal_radarlab_torch"] == 1.0  # the C++ operators change no token
     # each measurement placed on this machine's roofline, measured in the same run
     assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0 and doc["machine_balance"]["fp32_gemm_gflop_s"] > 0
     assert {(r["system"], r["batch_size"]) for r in doc["limits"]} == got
@@ -168,3 +169,30 @@ def test_limits_place_a_measurement_on_the_roofline():
     assert row["context"] == 12 and row["bytes_per_step"] == step.bytes
     assert row["bandwidth_fraction"] == pytest.approx(step.bytes / 0.2 / 1e5)
     assert row["flops_fraction"] == pytest.approx(step.flops / 0.2 / 1e6)
+
+
+def test_the_torch_only_engine_is_a_system_of_its_own():
+    """radarlab_torch (C++ operators off) sits beside radarlab in one run: its ratio is what the
+    operators buy, and the report says which operators the radarlab rows ran."""
+    ms = [m("radarlab", 1, 30), m("radarlab_torch", 1, 20), m("vllm", 1, 25)]
+    (row,) = ratios(ms)
+    assert row["radarlab_over_radarlab_torch"] == pytest.approx(1.5) and row["radarlab_over_vllm"] == pytest.approx(1.2)
+    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",), systems=("radarlab", "radarlab_torch",
+                                                                                   "vllm")), ms, {})
+    ops = doc["environment"]["radarlab_cpu_ops"]
+    assert ops["built"] is False or ops["operators"] == ["paged_decode", "rms_norm", "silu_and_mul", "rotary_embedding"]
+    assert "radarlab / radarlab_torch" in format_table(doc)
+
+
+@pytest.mark.slow
+def test_both_radarlab_systems_give_the_same_tokens(tiny):
+    """The engine with and without its C++ operators, on the benchmark's own prompts (fp32, greedy)."""
+    from radarlab.bench.throughput import time_radarlab
+    from radarlab.bench.workload import random_token_prompts
+
+    config = ThroughputConfig(batch_sizes=(5,), max_tokens=8, min_prompt_len=4, max_prompt_len=40)
+    prompts = random_token_prompts(5, tiny.config.vocab_size, (4, 40), 0)
+    fused, _ = time_radarlab(tiny, prompts, config)
+    plain, _ = time_radarlab(tiny, prompts, config, cpu_ops=False)
+    assert fused == plain and all(len(o) == 8 for o in fused)
+    assert tiny.use_cpu_ops is None  # restored

@@ -22,8 +22,10 @@ Three differences, each measured on the decode step (notebook 05):
   decodes at contexts 38-147, alternating runs: fp32 113 -> 102 ms, bf16 73 -> 69 ms; at 16 decodes
   buckets did not pay (26 ms either way), so they start at 32.
 
-The gather is still a copy: SDPA needs each sequence's K/V as one strided tensor. A kernel that
-reads the blocks in place (vLLM's C++ CPU kernel, notebook 04's Triton kernel) saves that copy too.
+The gather is still a copy: SDPA needs each sequence's K/V as one strided tensor. On a CPU the
+decodes therefore go, when it can be built, to a C++ kernel that reads the blocks in place
+(cpu_decode.py; plan_paged_sdpa(..., decode_kernel=True)), the split vLLM's TORCH_SDPA backend made:
+SDPA for prompts and chunks, its own paged kernel for decodes. The buckets are the fallback.
 """
 from __future__ import annotations
 
@@ -54,16 +56,29 @@ class DecodeBucket:
 
 
 @dataclass(frozen=True)
+class KernelDecodes:
+    """Every decode of the step, for the C++ kernel (cpu_decode.py): no gather, no padding."""
+    op: object  # torch.ops.radarlab.paged_decode
+    rows: torch.Tensor | None  # [n] int64 q rows of the decodes; None: every row of the step, in order
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor  # [n] int32
+    context: int  # the longest of them
+
+
+@dataclass(frozen=True)
 class PagedSDPAPlan:
     """What every layer of one step needs to attend over the paged pool (see plan_paged_sdpa)."""
     num_tokens: int
     decodes: tuple[DecodeBucket, ...]
     prefills: tuple[PrefillPlan, ...]
     padded: bool = True  # slot_mapping may hold -1 (padding): the write must look; False: checked, none
+    kernel: KernelDecodes | None = None  # the decodes, when the C++ kernel takes them (then decodes is ())
 
     @property
     def context(self) -> int:
         """The longest decode context of the step (0 without decodes)."""
+        if self.kernel is not None:
+            return self.kernel.context
         return max((b.context for b in self.decodes), default=0)
 
 
@@ -74,10 +89,12 @@ def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int)
 
 
 def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    block_size: int, slot_mapping: torch.Tensor | None = None, max_buckets: int = 4) -> PagedSDPAPlan:
+                    block_size: int, slot_mapping: torch.Tensor | None = None, max_buckets: int = 4,
+                    decode_kernel: bool = False) -> PagedSDPAPlan:
     """The per-step part of paged attention. The caller has validated the block tables (layout.py):
     only entries below cdiv(seq_len, block_size) are read. With the step's slot_mapping, the plan
-    also says whether any slot is padding (-1), so that no layer's KV write has to check again."""
+    also says whether any slot is padding (-1), so that no layer's KV write has to check again.
+    decode_kernel: the decodes go to the C++ kernel (cpu_decode.py; CPU tensors), not to SDPA."""
     seq_lens = seq_lens.long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     device = block_tables.device
@@ -85,6 +102,10 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()  # the step's one sync
     padded = slot_mapping is None or bool((slot_mapping < 0).any())
     seqs = [b for b, d in enumerate(decodes) if d]
+    kernel = None
+    if decode_kernel and seqs:
+        kernel = _kernel_decodes(seqs, lens, block_tables, query_start_loc, all(decodes))
+        seqs = []
     num_buckets = max(1, min(max_buckets, len(seqs) // DECODES_PER_BUCKET))
     if num_buckets > 1:
         seqs.sort(key=lambda b: lens[b])
@@ -103,7 +124,17 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
             mask = (torch.arange(seq_len, device=device)[None, :]
                     <= first + torch.arange(hi - lo, device=device)[:, None])
         prefills.append(PrefillPlan(lo, hi, slots, mask))
-    return PagedSDPAPlan(bounds[-1], buckets, tuple(prefills), padded)
+    return PagedSDPAPlan(bounds[-1], buckets, tuple(prefills), padded, kernel)
+
+
+def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_loc, in_order: bool) -> KernelDecodes:
+    from radarlab.cpu_ops import load_cpu_ops
+
+    index = torch.tensor(seqs, device=block_tables.device)
+    tables = block_tables if in_order else block_tables[index]
+    rows = None if in_order else query_start_loc[:-1].long()[index]
+    return KernelDecodes(load_cpu_ops().paged_decode, rows, tables.to(torch.int32).contiguous(),
+                         torch.tensor([lens[b] for b in seqs], dtype=torch.int32), max(lens[b] for b in seqs))
 
 
 def _bucket(seqs: list[int], lens: list[int], block_tables, query_start_loc, block_size: int,
@@ -135,7 +166,11 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     gqa = q.shape[1] != num_kv_heads
     if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
         return _decode(q, k_rows, v_rows, plan.decodes[0], scale)  # all decodes, one call, no scatter
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if plan.kernel is not None:  # the decodes' rows of out, straight from the blocks
+        d = plan.kernel
+        d.op(out, q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
+             scale)
     for bucket in plan.decodes:
         out[bucket.rows] = _decode(q[bucket.rows], k_rows, v_rows, bucket, scale)
     for p in plan.prefills:

@@ -5,8 +5,9 @@ does not see (Python: the scheduler, building metadata, module calls) is wall ti
 all self times. The grouping is by op name, so it is approximate: aten::index and index_select are
 mostly the K/V gather (the reference's padded blocks, or the SDPA path's rows) but also pick the
 rows for the LM head, and aten::copy_ is mostly the bf16 to fp32 weight conversion on CPUs without
-bf16 GEMMs (radarlab.models.linear) but also other casts. SDPA's fused CPU kernel counts as
-attention math.
+bf16 GEMMs (radarlab.models.linear) but also other casts. SDPA's fused CPU kernel and radarlab's C++
+decode kernel (radarlab.cpu_ops, which gathers nothing) count as attention math; the fused norm,
+SwiGLU gate and RoPE operators have a group of their own.
 """
 from __future__ import annotations
 
@@ -24,7 +25,10 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
     "attention: scores, softmax, weighted sum": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
                                                  "aten::masked_fill",
-                                                 "aten::_scaled_dot_product_flash_attention_for_cpu"),
+                                                 "aten::_scaled_dot_product_flash_attention_for_cpu",
+                                                 "radarlab::paged_decode"),
+    "fused C++ operators (RMSNorm, SwiGLU gate, RoPE)": ("radarlab::rms_norm", "radarlab::silu_and_mul",
+                                                         "radarlab::rotary_embedding"),
     "dtype casts and copies": ("aten::copy_", "aten::_to_copy", "aten::clone"),
     "KV write at slot mapping": ("aten::index_put_", "aten::_index_put_impl_"),
 }

@@ -4,7 +4,10 @@ Every system gets the same job: a batch of B random-token prompts (16-128 tokens
 each, greedy, EOS ignored, all requests submitted at once. Output tokens per second of wall time,
 prefill included, is the figure (vLLM's `benchmark_throughput` reports the same quantity).
 
-- radarlab: Engine.generate on a fresh pool sized so memory never limits the batch.
+- radarlab: Engine.generate on a fresh pool sized so memory never limits the batch, with its C++
+  operators (radarlab.cpu_ops: the paged decode kernel, fused RMSNorm, SwiGLU gate and RoPE).
+- radarlab_torch: the same engine on torch ops alone (C++ operators off): what the C++ operators
+  buy, measured in the same run.
 - transformers: `generate` with static batching, prompts left-padded to the longest (its default
   sdpa attention).
 - vLLM: the CPU build (or CUDA build) through the validation harness, one process per dtype; its
@@ -27,7 +30,7 @@ from radarlab.bench.workload import random_token_prompts
 from radarlab.hardware.roofline import TransformerDims, decode_step
 from radarlab.util import require_int
 
-SYSTEMS = ("radarlab", "transformers", "vllm")
+SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
 
 GOAL = "radarlab >= 1.0x transformers and >= 1.0x vLLM at every batch size, in every dtype"
@@ -108,17 +111,23 @@ def _count(outputs: list[list[int]], expected: int, system: str) -> int:
 
 
 # --- the three systems --------------------------------------------------------------------------
-def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig) -> tuple[list[list[int]], float]:
+def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig, cpu_ops: bool = True
+                  ) -> tuple[list[list[int]], float]:
+    """cpu_ops=False: torch ops only (radarlab_torch); True: the C++ operators wherever they build."""
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed
 
     num_blocks = blocks_needed(prompts, config.max_tokens, config.block_size)
     engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
-                    max_num_batched_tokens=config.max_num_batched_tokens)
+                    max_num_batched_tokens=config.max_num_batched_tokens, decode_kernel=None if cpu_ops else False)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    outputs = engine.generate(prompts, params)
-    seconds = time.perf_counter() - t0
+    model.use_cpu_ops = None if cpu_ops else False
+    try:
+        t0 = time.perf_counter()
+        outputs = engine.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+    finally:
+        model.use_cpu_ops = None
     return [o.output_token_ids for o in outputs], seconds
 
 
@@ -194,12 +203,14 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
             log(f"{system:>12} {dtype_name:>8} batch {m.batch_size:>3}: {m.output_tokens:>5} tokens in "
                 f"{m.seconds:7.2f} s = {m.tokens_per_s:7.1f} tok/s")
 
-        if "radarlab" in config.systems:
-            model = Llama.from_hf(hf_model)
-            time_radarlab(model, prompt_sets[0][:2], _warmup(config))
-            for prompts in prompt_sets:
-                record("radarlab", prompts, *time_radarlab(model, prompts, config))
-            del model
+        for system in ("radarlab", "radarlab_torch"):
+            if system in config.systems:
+                cpu_ops = system == "radarlab"
+                model = Llama.from_hf(hf_model)
+                time_radarlab(model, prompt_sets[0][:2], _warmup(config), cpu_ops)
+                for prompts in prompt_sets:
+                    record(system, prompts, *time_radarlab(model, prompts, config, cpu_ops))
+                del model
         if "transformers" in config.systems:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             time_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
@@ -245,7 +256,7 @@ def goal(measurements: list[Measurement]) -> dict:
     for dtype in sorted({m.dtype for m in measurements}):
         rs = [r for r in ratios(measurements) if r["dtype"] == dtype]
         out[dtype] = {}
-        for other in SYSTEMS[1:]:
+        for other in ("transformers", "vllm"):  # radarlab_torch is radarlab itself: not a goal
             vals = [r.get(f"radarlab_over_{other}") for r in rs]
             worst = None if not vals or None in vals else min(vals)
             out[dtype][f"min_ratio_{other}"] = worst
@@ -290,6 +301,7 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     env["cpu_native_bf16"] = cpu_has_native_half()
     env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"])
+    env["radarlab_cpu_ops"] = cpu_ops_status()
     env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
     params = asdict(config)
     params["workload"] = ("random token ids, lengths uniform in [min_prompt_len, max_prompt_len], greedy, "
@@ -308,6 +320,20 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
         doc["limits"] = limits(config, measurements, TransformerDims(**info["dims"]), balance.peak_flops,
                                balance.bandwidth)
     return doc
+
+
+def cpu_ops_status() -> dict:
+    """Which of radarlab's C++ operators the radarlab rows ran: built (for which -march) or why not."""
+    import os
+
+    from radarlab.cpu_ops import CpuOpsUnavailable, load_cpu_ops
+
+    try:
+        load_cpu_ops()
+    except CpuOpsUnavailable as err:
+        return {"built": False, "reason": str(err)}
+    return {"built": True, "march": os.environ.get("RADARLAB_CPU_MARCH", "native"),
+            "operators": ["paged_decode", "rms_norm", "silu_and_mul", "rotary_embedding"]}
 
 
 def format_table(doc: dict) -> str:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.attention.metadata import AttentionMetadata
+from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.models.linear import Linear, PackedWeight, fused_linear
 from radarlab.util import require_int
 
@@ -95,7 +96,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        """ops: radarlab's C++ operators (Llama.cpu_ops), which do the same in one pass; None: torch."""
+        if ops is not None:
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+            ops.rms_norm(out.view(-1, x.shape[-1]), x.view(-1, x.shape[-1]), self.weight, self.eps)
+            return out
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -140,11 +146,14 @@ class Attention(nn.Module):
         self.qkv_packed = PackedWeight()  # q, k and v stacked, for one GEMM (radarlab.models.linear)
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache: KVCacheBackend, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache: KVCacheBackend, meta: AttentionMetadata, ops=None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
-        q = apply_rope(q.view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
+        if ops is not None:  # rotated in place, in the qkv GEMM's output
+            ops.rotary_embedding(q, k, cos, sin)
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = kv_cache.attend(self.layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
@@ -161,9 +170,13 @@ class MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=bias)
         self.gate_up_packed = PackedWeight()  # gate and up stacked, for one GEMM
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
-        return self.down_proj(F.silu(gate) * up)
+        if ops is None:
+            return self.down_proj(F.silu(gate) * up)
+        hidden = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+        ops.silu_and_mul(hidden, gate, up)
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -174,9 +187,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, kv_cache, meta, ops=None):
+        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, kv_cache, meta, ops)
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 class Llama(nn.Module):
@@ -192,6 +205,18 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.use_cpu_ops: bool | None = None  # None: radarlab's C++ operators wherever they can be built
+
+    def cpu_ops(self, x: torch.Tensor):
+        """radarlab's C++ operators (radarlab.cpu_ops: RMSNorm, SwiGLU's gate and RoPE fused, each in
+        one pass; vLLM's CPU backend fuses the same three) for a forward pass on x, or None for the
+        torch code. They run only on a CPU and only without autograd; use_cpu_ops=False turns them
+        off, True insists (and raises where they cannot be built)."""
+        if self.use_cpu_ops is False or x.device.type != "cpu" or torch.is_grad_enabled():
+            return None
+        if self.use_cpu_ops is None and not cpu_ops_available(x.device):
+            return None
+        return load_cpu_ops()
 
     @classmethod
     def from_hf(cls, hf_model) -> "Llama":
@@ -247,9 +272,10 @@ class Llama(nn.Module):
             )
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
+        ops = self.cpu_ops(x)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv_cache, meta)
-        x = self.norm(x)
+            x = layer(x, cos, sin, kv_cache, meta, ops)
+        x = self.norm(x, ops)
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(x)
@@ -260,6 +286,7 @@ def final_features(model: Llama, input_ids, positions, kv_cache, meta) -> torch.
     EAGLE-style draft head (radarlab.spec.draft_head) reads as the target's features."""
     x = model.embed_tokens(input_ids)
     cos, sin = model.rope(positions, x.dtype)
+    ops = model.cpu_ops(x)
     for layer in model.layers:
-        x = layer(x, cos, sin, kv_cache, meta)
-    return model.norm(x)
+        x = layer(x, cos, sin, kv_cache, meta, ops)
+    return model.norm(x, ops)

@@ -32,6 +32,13 @@ VOCAB_FILE = "draft_vocab.json"  # not .safetensors: vLLM loads every safetensor
 TRAINED_HEAD = Path(__file__).parent / "weights" / "smollm2-135m-eagle"  # the course model's, trained here
 
 
+class NoNorm(nn.Module):
+    """Where a DecoderLayer's norm is left out: takes what a norm takes (x, and the C++ operators)."""
+
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        return x
+
+
 class DraftHead(nn.Module):
     """fc over [token embedding, target feature], then one decoder layer without its input norm."""
 
@@ -41,7 +48,7 @@ class DraftHead(nn.Module):
         h = config.hidden_size
         self.fc = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(config, 0)
-        self.layer.input_layernorm = nn.Identity()  # the fused input is not normed (as EAGLE)
+        self.layer.input_layernorm = NoNorm()  # the fused input is not normed (as EAGLE)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):

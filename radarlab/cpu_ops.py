@@ -1,0 +1,90 @@
+"""radarlab's C++ operators for the CPU, compiled on first use: the engine's fast path, not a dependency.
+
+vLLM's CPU backend is PyTorch plus a library of its own C++ kernels (paged attention, rms_norm,
+silu_and_mul, rotary embedding), because on a CPU each small torch op costs a dispatch and a pass
+over memory. radarlab does the same, in course-sized form: the sources are in radarlab/csrc, one
+file per concern, and torch.utils.cpp_extension builds them into one library that registers
+torch.ops.radarlab.* (a few seconds with gcc or clang and ninja).
+
+The build is for the CPU at hand (-march=native: AVX-512 where the CPU has it, AVX2 where not;
+RADARLAB_CPU_MARCH=haswell, say, builds for another) and is cached under $RADARLAB_CACHE/kernels, per
+CPU kind and -march. Where it cannot be built, callers keep their
+torch code (the reference every op is tested against) and a warning says why, once.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ("paged_decode.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp")
+# -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
+# kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
+CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+
+
+class CpuOpsUnavailable(RuntimeError):
+    """The C++ operators could not be built here; the message says why."""
+
+
+def load_cpu_ops():
+    """Build (once per machine; later processes load the cached library) and return torch.ops.radarlab.
+    Raises CpuOpsUnavailable with the reason, each time it is asked; the build is tried once."""
+    ops, reason = _build()
+    if ops is None:
+        raise CpuOpsUnavailable(reason)
+    return ops
+
+
+def cpu_ops_available(device: str | torch.device = "cpu", warn: bool = True) -> bool:
+    """Whether the C++ operators can run on device (CPUs only). Where they cannot be built, warns with
+    the reason (once per process) and returns False."""
+    if torch.device(device).type != "cpu":
+        return False
+    ops, reason = _build()
+    if ops is None and warn:
+        _warn_once(reason)
+    return ops is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"{reason}. radarlab keeps its torch code for these operators.", stacklevel=3)
+
+
+@functools.lru_cache(maxsize=None)
+def _build():
+    """(torch.ops.radarlab, None) or (None, why not), once per process: a process can register the
+    radarlab namespace only once, and a failed build is not retried at every call."""
+    from torch.utils import cpp_extension
+
+    from radarlab.hardware.machine import cpu_kind
+    from radarlab.models.loader import cache_dir
+
+    march = os.environ.get("RADARLAB_CPU_MARCH", "native")
+    name = f"radarlab_cpu_ops_{march}_{cpu_kind()}".replace("-", "_")
+    build = cache_dir() / "kernels" / name
+    build.mkdir(parents=True, exist_ok=True)
+    _ensure_ninja_on_path()
+    try:
+        cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=[*CFLAGS, f"-march={march}"],
+                           build_directory=str(build), is_python_module=False, verbose=False)
+    except Exception as err:  # no compiler, no ninja, no headers: the reason is in the message
+        return None, f"could not build radarlab's C++ operators ({', '.join(SOURCES)}): {type(err).__name__}: {err}"
+    return torch.ops.radarlab, None
+
+
+def _ensure_ninja_on_path() -> None:
+    """torch builds with ninja, looked up on PATH. The ninja wheel installs it into the venv's bin,
+    which is not on PATH when a notebook kernel or a bare interpreter runs from the venv."""
+    if shutil.which("ninja"):
+        return
+    venv_bin = Path(sys.executable).parent
+    if (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"

@@ -1,0 +1,42 @@
+// SwiGLU's gate: out = silu(gate) * up in one pass, as vLLM's silu_and_mul.
+//
+// gate and up are the two halves of one fused GEMM's output (radarlab.models.linear.fused_linear),
+// read in place through their row stride. Rounding follows torch's two ops: silu in fp32 rounded to
+// the model's dtype, then the product rounded again.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "cpu_common.h"
+
+namespace {
+using radarlab::round_to;
+using radarlab::to_float;
+
+void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+  const int64_t n = gate.size(-1);
+  radarlab::check_rows(gate, n, "silu_and_mul", "gate");
+  radarlab::check_rows(up, n, "silu_and_mul", "up");
+  radarlab::check_rows(out, n, "silu_and_mul", "out");
+  TORCH_CHECK(up.size(0) == gate.size(0) && out.size(0) == gate.size(0), "silu_and_mul: row counts differ");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type() && out.scalar_type() == gate.scalar_type(),
+              "silu_and_mul: gate, up and out must share a dtype");
+  radarlab::dispatch_float(gate, "silu_and_mul", [&]<typename T>() {
+    const T *g = gate.data_ptr<T>(), *u = up.data_ptr<T>();
+    T* o = out.data_ptr<T>();
+    const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+    at::parallel_for(0, gate.size(0), 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r)
+        for (int64_t i = 0; i < n; ++i) {
+          const float a = to_float(g[r * gs + i]);
+          const float silu = round_to<T>(a / (1.f + std::exp(-a)));
+          o[r * os + i] = static_cast<T>(silu * to_float(u[r * us + i]));
+        }
+    });
+  });
+}
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radarlab, m) { m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()"); }
+TORCH_LIBRARY_IMPL(radarlab, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }

@@ -1,0 +1,243 @@
+// Paged decode attention on the CPU: one query token per sequence, K/V read in place from the blocks.
+//
+// The same algorithm as the Triton decode kernel of notebook 04 and as radarlab.attention.torch_paged,
+// written for a CPU core: work items are sequences (or (sequence, KV head) pairs, see decode below),
+// and at::parallel_for spreads them over torch's threads. An item walks the sequence's block table,
+// so no padded copy of the batch's K/V is ever made, and 16-bit K/V rows are widened to fp32 as they
+// are loaded, not as a whole gathered tensor. Scores, softmax and the weighted sum of V are fp32.
+//
+// The query heads that share a KV head (GQA) are handled together: each K and V row is loaded once
+// for the whole group. At a batch large enough to keep every thread busy an item is a whole
+// sequence, so each token's row (all KV heads side by side) is read front to back. Vectors are
+// AVX-512 or AVX2 intrinsics, whichever the compiler was told the CPU has (-march=native), with a
+// plain-loop fallback for other CPUs; the same source is right on each.
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+#include <vector>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// ---- a float vector of the widest width the compiler was told about, and the loads this needs ----
+#if defined(__AVX512F__)
+constexpr int N = 16;
+using fvec = __m512;
+inline fvec vzero() { return _mm512_setzero_ps(); }
+inline fvec vset(float x) { return _mm512_set1_ps(x); }
+inline fvec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline fvec vload(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: widening is a shift
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline fvec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline void vstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
+inline fvec vfma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+constexpr int N = 8;
+using fvec = __m256;
+inline fvec vzero() { return _mm256_setzero_ps(); }
+inline fvec vset(float x) { return _mm256_set1_ps(x); }
+inline fvec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline fvec vload(const c10::BFloat16* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline fvec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
+inline fvec vfma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(fvec v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#else  // any other CPU: plain loops over 8 lanes, which the compiler vectorizes as it can
+constexpr int N = 8;
+struct fvec { float x[N]; };
+inline fvec vzero() { return fvec{}; }
+inline fvec vset(float a) { fvec v; for (int i = 0; i < N; ++i) v.x[i] = a; return v; }
+template <typename T> inline fvec vload(const T* p) { fvec v; for (int i = 0; i < N; ++i) v.x[i] = static_cast<float>(p[i]); return v; }
+inline void vstore(float* p, fvec v) { for (int i = 0; i < N; ++i) p[i] = v.x[i]; }
+inline fvec vfma(fvec a, fvec b, fvec c) { for (int i = 0; i < N; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
+inline float vsum(fvec v) { float s = 0.f; for (int i = 0; i < N; ++i) s += v.x[i]; return s; }
+#endif
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+
+struct Shape {
+  int64_t num_seqs, num_kv_heads, group, head_dim, block_size, max_blocks;
+  int64_t q_row_stride, q_head_stride;  // q may be a view of a fused qkv projection
+};
+
+// One work item: sequence s, KV heads h0 .. h0 + nh - 1, and their nh * group query heads.
+// HD is head_dim when it is a multiple of N known at compile time (the loops over it unroll and
+// K/V rows stay in registers); HD = 0 is any head_dim, read at run time, in scalar code.
+template <typename Q, typename KV, int HD>
+struct Item {
+  const Shape& sh;
+  const KV *k_cache, *v_cache;
+  float scale;
+  std::vector<float> qf, acc, scores;
+
+  Item(const Shape& shape, const KV* k, const KV* v, float sc) : sh(shape), k_cache(k), v_cache(v), scale(sc) {}
+
+  const KV* row(const KV* pool, const int32_t* table, int64_t t, int64_t h) const {  // token t's row of head h
+    const int64_t token_stride = sh.num_kv_heads * sh.head_dim;
+    return pool + (int64_t(table[t / sh.block_size]) * sh.block_size + t % sh.block_size) * token_stride +
+           h * sh.head_dim;
+  }
+
+  void run(Q* out, const Q* q, const int32_t* table, int64_t len, int64_t r, int64_t h0, int64_t nh) {
+    const int64_t D = sh.head_dim, G = sh.group, heads = nh * G;
+    qf.resize(heads * D);
+    acc.assign(heads * D, 0.f);
+    scores.resize(heads * len);
+    for (int64_t j = 0; j < heads; ++j) {  // the item's queries, pre-scaled
+      const Q* qh = q + r * sh.q_row_stride + (h0 * G + j) * sh.q_head_stride;
+      for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_float(qh[d]) * scale;
+    }
+    // scores: token t's row holds every KV head's K side by side, so the item reads it front to back
+    for (int64_t t = 0; t < len; ++t) {
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const KV* k = row(k_cache, table, t, h0 + hh);
+        if constexpr (HD > 0) {
+          fvec kv[HD / N];
+          for (int i = 0; i < HD / N; ++i) kv[i] = vload(k + i * N);
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + (hh * G + g) * HD;
+            fvec s0 = vzero(), s1 = vzero();  // two chains: consecutive FMAs do not wait on each other
+            for (int i = 0; i + 1 < HD / N; i += 2) {
+              s0 = vfma(vload(qg + i * N), kv[i], s0);
+              s1 = vfma(vload(qg + (i + 1) * N), kv[i + 1], s1);
+            }
+            if constexpr ((HD / N) % 2) s0 = vfma(vload(qg + (HD / N - 1) * N), kv[HD / N - 1], s0);
+            scores[(hh * G + g) * len + t] = vsum(s0) + vsum(s1);
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf.data() + (hh * G + g) * D;
+            float s = 0.f;
+            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(k[d]);
+            scores[(hh * G + g) * len + t] = s;
+          }
+        }
+      }
+    }
+    for (int64_t j = 0; j < heads; ++j) {  // softmax over the context, in place
+      float* sj = scores.data() + j * len;
+      float m = -INFINITY, sum = 0.f;
+      for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+      for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - m); sum += sj[t]; }
+      const float inv = 1.f / sum;
+      for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
+    }
+    for (int64_t t = 0; t < len; ++t) {  // out = p V, V read the same way
+      for (int64_t hh = 0; hh < nh; ++hh) {
+        const KV* v = row(v_cache, table, t, h0 + hh);
+        if constexpr (HD > 0) {
+          fvec vv[HD / N];
+          for (int i = 0; i < HD / N; ++i) vv[i] = vload(v + i * N);
+          for (int64_t g = 0; g < G; ++g) {
+            const fvec p = vset(scores[(hh * G + g) * len + t]);
+            float* a = acc.data() + (hh * G + g) * HD;
+            for (int i = 0; i < HD / N; ++i) vstore(a + i * N, vfma(p, vv[i], vload(a + i * N)));
+          }
+        } else {
+          for (int64_t g = 0; g < G; ++g) {
+            const float p = scores[(hh * G + g) * len + t];
+            float* a = acc.data() + (hh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
+          }
+        }
+      }
+    }
+    Q* o = out + (r * sh.num_kv_heads * G + h0 * G) * D;
+    for (int64_t i = 0; i < heads * D; ++i) o[i] = static_cast<Q>(acc[i]);
+  }
+};
+
+template <typename Q, typename KV, int HD>
+void decode(Q* out, const Q* q, const KV* k_cache, const KV* v_cache, const int32_t* block_tables,
+            const int32_t* seq_lens, const int64_t* rows, const Shape& sh, float scale) {
+  // Enough sequences to keep every thread busy: one item per sequence, all its KV heads, so each
+  // token row is read once, front to back. Fewer (batch 1): one item per (sequence, KV head).
+  const int64_t per_item = sh.num_seqs >= 2 * at::get_num_threads() ? sh.num_kv_heads : 1;
+  const int64_t chunks = sh.num_kv_heads / per_item;
+  at::parallel_for(0, sh.num_seqs * chunks, 1, [&](int64_t begin, int64_t end) {
+    Item<Q, KV, HD> item(sh, k_cache, v_cache, scale);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t s = i / chunks, h0 = (i % chunks) * per_item;
+      item.run(out, q, block_tables + s * sh.max_blocks, seq_lens[s], rows ? rows[s] : s, h0, per_item);
+    }
+  });
+}
+
+template <typename Q, typename KV>
+void launch(at::Tensor& out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& bt,
+            const at::Tensor& lens, const int64_t* rows, const Shape& sh, float scale) {
+  auto run = sh.head_dim == 64 ? decode<Q, KV, 64> : sh.head_dim == 128 ? decode<Q, KV, 128> : decode<Q, KV, 0>;
+  static_assert(64 % N == 0 && 128 % N == 0);
+  run(out.data_ptr<Q>(), q.data_ptr<Q>(), k.data_ptr<KV>(), v.data_ptr<KV>(), bt.data_ptr<int32_t>(),
+      lens.data_ptr<int32_t>(), rows, sh, scale);
+}
+
+// out[rows[i]] = attention of q[rows[i]] over sequence i's context (rows absent: row i). The shapes
+// and dtypes are checked here; that every block id and length is inside the pool is the caller's
+// contract (radarlab.attention.layout validates block tables once per step).
+void paged_decode(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, const c10::optional<at::Tensor>& rows,
+                  double scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_decode: k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "paged_decode: the pools must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: k_cache and v_cache dtypes differ");
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == k_cache.size(3) && q.stride(2) == 1,
+              "paged_decode: q must be [tokens, heads, head_dim] with contiguous head_dim matching the pool");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "paged_decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.is_contiguous() && out.scalar_type() == q.scalar_type(),
+              "paged_decode: out must be a contiguous tensor shaped and typed like q");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.scalar_type() == at::kInt && block_tables.is_contiguous(),
+              "paged_decode: block_tables must be a contiguous int32 [num_seqs, max_blocks] tensor");
+  TORCH_CHECK(seq_lens.dim() == 1 && seq_lens.size(0) == block_tables.size(0) &&
+              seq_lens.scalar_type() == at::kInt && seq_lens.is_contiguous(),
+              "paged_decode: seq_lens must be contiguous int32 with one entry per block-table row");
+  const int64_t* row_ptr = nullptr;
+  if (rows.has_value()) {
+    TORCH_CHECK(rows->dim() == 1 && rows->size(0) == block_tables.size(0) && rows->scalar_type() == at::kLong &&
+                rows->is_contiguous(), "paged_decode: rows must be contiguous int64 with one entry per sequence");
+    row_ptr = rows->data_ptr<int64_t>();
+  } else {
+    TORCH_CHECK(q.size(0) == block_tables.size(0), "paged_decode: without rows, q needs one row per sequence");
+  }
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&out, &q, &k_cache, &v_cache, &block_tables, &seq_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_decode: every tensor must be on the CPU");
+  const Shape sh{block_tables.size(0), k_cache.size(2), q.size(1) / k_cache.size(2), k_cache.size(3),
+                 k_cache.size(1), block_tables.size(1), q.stride(0), q.stride(1)};
+  const auto qt = q.scalar_type(), kt = k_cache.scalar_type();
+  const float s = static_cast<float>(scale);
+  if (qt == at::kFloat && kt == at::kFloat) launch<float, float>(out, q, k_cache, v_cache, block_tables, seq_lens, row_ptr, sh, s);
+  else if (qt == at::kFloat && kt == at::kBFloat16) launch<float, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, row_ptr, sh, s);
+  else if (qt == at::kFloat && kt == at::kHalf) launch<float, c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, row_ptr, sh, s);
+  else if (qt == at::kBFloat16 && kt == at::kBFloat16) launch<c10::BFloat16, c10::BFloat16>(out, q, k_cache, v_cache, block_tables, seq_lens, row_ptr, sh, s);
+  else if (qt == at::kHalf && kt == at::kHalf) launch<c10::Half, c10::Half>(out, q, k_cache, v_cache, block_tables, seq_lens, row_ptr, sh, s);
+  else TORCH_CHECK(false, "paged_decode: q ", qt, " over a ", kt, " pool is not supported (fp32 q over an fp32, bf16 or fp16 pool, or q in the pool's 16-bit dtype)");
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(radarlab, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor? rows, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(radarlab, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,201 @@
+"""The C++ paged decode kernel (radarlab/csrc/paged_decode.cpp) against fp32 math on the same values.
+
+Cases come from test_paged_attention.make_case: shuffled block tables and every unused slot NaN, so
+a read outside a sequence's blocks poisons the output. The kernel has three vector paths (AVX-512,
+AVX2, plain loops); this machine's is tested in process, the other two in child processes built
+with -march=haswell and -march=x86-64.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from radarlab.attention.cpu_decode import paged_decode_cpu
+from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
+from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
+from radarlab.hardware.machine import cpu_arch, cpu_flags
+from test_paged_attention import TOL, make_case, max_error
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(warn=False), reason="radarlab's C++ operators cannot be built here")
+
+DECODES = [1, 5, 16, 23, 40]  # one token, exactly a block of 16, lengths that are not multiples
+# (query heads, KV heads, head_dim): the course model's (GQA 3, 64), 128, no GQA, GQA 4, and sizes
+# that are not a multiple of the vector width (the run-time head_dim path)
+HEADS = [(9, 3, 64), (4, 2, 128), (2, 2, 64), (8, 2, 64), (6, 3, 40), (2, 1, 8)]
+
+
+def decode(case, **kw):
+    return paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, **kw)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
+@pytest.mark.parametrize("batch", [1, 8], ids=["per_kv_head", "per_sequence"])  # 8 >= 2 threads: whole sequences
+def test_fp32_equals_the_reference(block_size, heads, batch):
+    lens = (DECODES * 2)[:batch] if batch > 1 else [37]
+    case = make_case(lens, [1] * len(lens), block_size, *heads, seed=block_size + batch)
+    out = decode(case)
+    assert out.dtype == torch.float32 and out.shape == case.q.shape
+    assert max_error(out, case.expected) < TOL
+
+
+@pytest.mark.parametrize("dtype, q_dtype", [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                                            (torch.bfloat16, torch.float32), (torch.float16, torch.float32)],
+                         ids=["bf16", "fp16", "fp32_q_bf16_pool", "fp32_q_fp16_pool"])
+@pytest.mark.parametrize("heads", [(9, 3, 64), (4, 2, 128), (6, 3, 40)], ids=lambda h: "x".join(map(str, h)))
+def test_16_bit_pools_are_read_exactly_and_accumulated_in_fp32(dtype, q_dtype, heads):
+    """The pool's 16-bit values are widened exactly; the only rounding left is the output's own."""
+    case = make_case(DECODES, [1] * len(DECODES), 4, *heads, seed=5, dtype=dtype)
+    out = paged_decode_cpu(case.q.to(q_dtype), case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                           case.scale)
+    assert out.dtype == q_dtype and not out.isnan().any()
+    if q_dtype == torch.float32:
+        assert max_error(out, case.expected) < TOL
+    else:  # one rounding of the fp32 result to the output dtype
+        torch.testing.assert_close(out.float(), case.expected, rtol=2 ** -7, atol=2 ** -9)
+
+
+def test_rows_place_each_decode_and_leave_other_rows_alone():
+    """In a mixed step the decodes are some of q's rows: rows[i] is sequence i's."""
+    case = make_case([9, 30, 4], [1, 1, 1], 4, 9, 3, 64, seed=2)
+    q = torch.randn(6, 9, 64)
+    rows = torch.tensor([4, 0, 2])
+    q[rows] = case.q
+    out = torch.full_like(q, 7.0)
+    paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, out=out, rows=rows)
+    assert max_error(out[rows], case.expected) < TOL
+    assert (out[[1, 3, 5]] == 7.0).all()
+
+
+def test_q_may_be_a_view_of_the_fused_projection():
+    """q arrives as a view of the qkv GEMM's output: rows strided past k and v."""
+    case = make_case(DECODES, [1] * len(DECODES), 4, 9, 3, 64, seed=8)
+    qkv = torch.randn(len(DECODES), 9 * 64 + 2 * 3 * 64)
+    qkv[:, :9 * 64] = case.q.reshape(len(DECODES), -1)
+    q = qkv[:, :9 * 64].view(len(DECODES), 9, 64)
+    assert not q.is_contiguous()
+    out = paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    assert max_error(out, case.expected) < TOL
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    """Each item is computed by one thread in a fixed order, so 1 and 2 threads agree bit for bit."""
+    case = make_case(DECODES * 2, [1] * 10, 4, 9, 3, 64, seed=4)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = decode(case)
+        torch.set_num_threads(2)
+        two = decode(case)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)
+
+
+def test_the_engine_plan_sends_decodes_to_the_kernel_and_chunks_to_sdpa():
+    """plan_paged_sdpa(decode_kernel=True): decodes through the kernel (no buckets), prefill chunks
+    through SDPA, in one step; equal to the reference."""
+    lens, q_lens = [7, 40, 3, 18, 1, 25], [1, 6, 1, 18, 1, 1]
+    case = make_case(lens, q_lens, 4, 9, 3, 64, seed=6)
+    plan = plan_paged_sdpa(case.block_tables, case.seq_lens, case.query_start_loc, 4, decode_kernel=True)
+    assert plan.decodes == () and plan.kernel is not None and plan.context == 25
+    assert plan.kernel.rows.tolist() == [0, 7, 26, 27] and len(plan.prefills) == 2
+    out = paged_attention_sdpa(case.q, case.k_cache, case.v_cache, plan, case.scale)
+    assert max_error(out, case.expected) < TOL
+    decodes_only = plan_paged_sdpa(case.block_tables[[0, 2]], case.seq_lens[[0, 2]], torch.arange(3), 4,
+                                   decode_kernel=True)
+    assert decodes_only.kernel.rows is None  # every row a decode, in order: no scatter
+
+
+def test_bad_inputs_raise_and_name_the_problem():
+    case = make_case([5, 9], [1, 1], 4, 4, 2, 16)
+    with pytest.raises(ValueError, match="outside the pool"):
+        bad = case.block_tables.clone()
+        bad[0, 0] = case.k_cache.shape[0]
+        paged_decode_cpu(case.q, case.k_cache, case.v_cache, bad, case.seq_lens, case.scale)
+    with pytest.raises(ValueError, match="at least one token"):
+        paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, torch.tensor([0, 9]), case.scale)
+    with pytest.raises(ValueError, match="pass rows"):
+        paged_decode_cpu(case.q[:1], case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+    op = load_cpu_ops().paged_decode
+    tables, lens = case.block_tables.int(), case.seq_lens.int()
+    out = torch.empty_like(case.q)
+    with pytest.raises(RuntimeError, match="BFloat16 over a Float pool is not supported"):
+        op(out.bfloat16(), case.q.bfloat16(), case.k_cache, case.v_cache, tables, lens, None, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        op(out, case.q, case.k_cache, case.v_cache, case.block_tables.long(), lens, None, 1.0)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        op(out, case.q, case.k_cache.transpose(0, 1), case.v_cache.transpose(0, 1), tables, lens, None, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        op(out, case.q[..., :8], case.k_cache, case.v_cache, tables, lens, None, 1.0)
+
+
+_OTHER_ISA = textwrap.dedent("""
+    import json, sys, torch
+    sys.path.insert(0, {tests!r})
+    from radarlab.cpu_ops import load_cpu_ops
+    from radarlab.attention.cpu_decode import paged_decode_cpu
+    from test_paged_attention import make_case
+    load_cpu_ops()
+    errors = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for heads in ((9, 3, 64), (4, 2, 128), (6, 3, 40)):
+            for lens in ([37], [1, 5, 16, 23, 40, 2, 9, 31]):
+                case = make_case(lens, [1] * len(lens), 4, *heads, seed=len(lens), dtype=dtype)
+                q = case.q.float()
+                out = paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+                errors.append(float((out - case.expected).abs().max()))
+    print(json.dumps(errors))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "plain_loops"])
+def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch):
+    """The AVX2 build (what an AVX2-only CPU compiles) and the plain-loop build (no AVX at all), each
+    in a child process, on this machine's CPU (which can run both)."""
+    if cpu_arch() != "x86_64" or (march == "haswell" and not cpu_flags().get("avx2")):
+        pytest.skip("needs an x86-64 CPU (with AVX2 for the haswell build)")
+    monkeypatch.setenv("RADARLAB_CACHE", str(tmp_path))  # a fresh build, not this machine's cached one
+    from pathlib import Path
+
+    script = _OTHER_ISA.format(tests=str(Path(__file__).parent))
+    env = {**os.environ, "RADARLAB_CPU_MARCH": march}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    errors = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(errors) == 18 and max(errors) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_engine_gives_the_same_tokens_with_and_without_the_kernel(model, prompts, dtype):
+    """The course model, greedy, 8 prompts in one batch: the kernel (the default on a CPU) and the
+    SDPA fallback agree token for token (fp32; bf16 pools under the fp32 model)."""
+    from radarlab.engine import Engine, SamplingParams
+
+    params = SamplingParams(max_tokens=12)
+    runs = {}
+    for kernel in (True, False):
+        engine = Engine(model, num_blocks=128, block_size=16, kv_cache_dtype="bfloat16" if dtype == torch.bfloat16
+                        else "auto", decode_kernel=kernel)
+        assert engine.cache.decode_kernel is kernel
+        runs[kernel] = [o.output_token_ids for o in engine.generate(prompts, params)]
+    assert runs[True] == runs[False]
+    assert Engine(model, num_blocks=8).cache.decode_kernel  # the default, where the kernel builds
+
+
+def test_the_kernel_is_refused_where_it_cannot_read_the_pool(tiny):
+    from radarlab.kvcache.paged_cache import PagedKVCache
+
+    with pytest.raises(ValueError, match="decode_kernel=True needs the torch backend.*fp8_e4m3"):
+        PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3", decode_kernel=True)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        PagedKVCache.for_model(tiny.config, 8, 4, backend="triton", decode_kernel=True)
+    assert not PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3").decode_kernel  # auto: no

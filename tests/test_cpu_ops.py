@@ -1,0 +1,135 @@
+"""radarlab's fused C++ operators (radarlab/csrc: layernorm, activation, rotary) against the torch
+code in radarlab.models.llama that they replace, and the model with them against the model without.
+
+In bf16 and fp16 they round where torch's unfused ops round, so most elements are bit-identical; the
+rest differ by one unit in the last place, where a sum or an exp is ordered differently.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from radarlab.cpu_ops import CpuOpsUnavailable, cpu_ops_available, load_cpu_ops
+from radarlab.models.llama import RMSNorm, apply_rope
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(warn=False), reason="radarlab's C++ operators cannot be built here")
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Per element, how many representable values of a's dtype lie between a and b (0: identical)."""
+    assert a.dtype == b.dtype
+    bits = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}[a.dtype]
+    return (a.view(bits).int() - b.view(bits).int()).abs()
+
+
+def assert_as_torch_rounds(ours, ref, *, identical=0.97, most=1):
+    """fp32: within 1e-6 relative. 16-bit: at most `most` ulps anywhere, bit-identical almost everywhere."""
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if ours.dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
+        return
+    diff = ulps(ours, ref)
+    assert int(diff.max()) <= most, f"{int(diff.max())} ulps apart"
+    assert float((diff == 0).float().mean()) >= identical
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_equals_the_torch_code(dtype, rows):
+    torch.manual_seed(rows)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(576) + 0.5)
+    x = (torch.randn(rows, 576) * 3).to(dtype)
+    with torch.inference_mode():  # two roundings (x / rms, then times a weight up to 1.5): up to 2 ulps
+        assert_as_torch_rounds(norm(x, load_cpu_ops()), norm(x), most=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_reads_the_fused_gemm_output_in_place(dtype):
+    torch.manual_seed(1)
+    gate_up = (torch.randn(19, 2 * 1536) * 4).to(dtype)
+    gate, up = gate_up.split(1536, dim=-1)  # views with a row stride of 3072, as fused_linear returns
+    out = torch.empty(19, 1536, dtype=dtype)
+    load_cpu_ops().silu_and_mul(out, gate, up)
+    assert_as_torch_rounds(out, F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 10])
+def test_rotary_embedding_rotates_q_and_k_in_place(dtype, head_dim):
+    torch.manual_seed(head_dim)
+    t, heads, kv_heads = 23, 9, 3
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q, k, _ = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k = q.view(t, heads, head_dim), k.view(t, kv_heads, head_dim)
+    angles = torch.arange(t)[:, None] * 0.37 ** torch.arange(head_dim // 2)[None, :]
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    want_q, want_k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    untouched = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    load_cpu_ops().rotary_embedding(q, k, cos, sin)
+    assert_as_torch_rounds(q, want_q, identical=1.0 if dtype != torch.float32 else 0)
+    assert_as_torch_rounds(k, want_k, identical=1.0 if dtype != torch.float32 else 0)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], untouched)  # v is not touched
+
+
+def test_bad_inputs_raise_and_name_the_problem():
+    ops = load_cpu_ops()
+    x = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="weight must be a contiguous 1-D tensor of x's dtype"):
+        ops.rms_norm(torch.empty_like(x), x, torch.ones(8, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(RuntimeError, match=r"x must be \[rows, 8\] with a contiguous last dimension"):
+        ops.rms_norm(torch.empty(8, 4), x.t(), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="gate, up and out must share a dtype"):
+        ops.silu_and_mul(torch.empty(4, 8), x, x.double())
+    with pytest.raises(RuntimeError, match="expected float32, bfloat16 or float16"):
+        ops.silu_and_mul(torch.empty(4, 8, dtype=torch.float64), x.double(), x.double())
+    q = torch.randn(3, 2, 8)
+    with pytest.raises(RuntimeError, match="head_dim must be even"):
+        ops.rotary_embedding(q[..., :7], q[..., :7], torch.ones(3, 7), torch.ones(3, 7))
+    with pytest.raises(RuntimeError, match="q, k, cos and sin must share a dtype"):
+        ops.rotary_embedding(q, q.clone(), torch.ones(3, 8, dtype=torch.bfloat16), torch.ones(3, 8, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_model_with_the_operators_equals_the_model_without(model, dtype):
+    """The course model's logits over a 100-token sequence, fused against the torch code. fp32 agrees
+    to rounding (the GEMMs alone are ~1e-4 off exact at this length, test_llama). In bf16 each op
+    rounds to 8 bits, so both are judged against the fp32 model: the fused model is as close."""
+    import copy
+
+    from radarlab.validate.hf import our_logits
+
+    m = model if dtype == torch.float32 else copy.deepcopy(model).to(dtype)
+    ids = torch.randint(0, m.config.vocab_size, (100,), generator=torch.Generator().manual_seed(0))
+    try:
+        m.use_cpu_ops = True
+        fused = our_logits(m, ids)
+        m.use_cpu_ops = False
+        plain = our_logits(m, ids)
+    finally:
+        m.use_cpu_ops = None
+    if dtype == torch.float32:
+        assert (fused - plain).abs().max() < 5e-4
+        assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+    else:
+        exact = our_logits(model, ids)
+        err_fused, err_plain = ((x.float() - exact).abs().mean() for x in (fused, plain))
+        assert err_fused < 1.1 * err_plain and err_plain < 1.1 * err_fused, (err_fused, err_plain)
+
+
+def test_use_cpu_ops_true_raises_where_they_cannot_be_built(tiny, monkeypatch):
+    import radarlab.models.llama as llama
+
+    monkeypatch.setattr(llama, "load_cpu_ops", lambda: (_ for _ in ()).throw(CpuOpsUnavailable("no compiler")))
+    tiny.use_cpu_ops = True
+    try:
+        with torch.no_grad(), pytest.raises(CpuOpsUnavailable, match="no compiler"):
+            tiny.cpu_ops(torch.zeros(1))
+    finally:
+        tiny.use_cpu_ops = None
+    with torch.enable_grad():
+        assert tiny.cpu_ops(torch.zeros(1)) is None  # autograd: always the torch code
