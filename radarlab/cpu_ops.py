@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp")
+SOURCES = ("paged_decode.cpp", "cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
 # kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")

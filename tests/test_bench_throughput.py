@@ -180,7 +180,8 @@ def test_the_torch_only_engine_is_a_system_of_its_own():
     doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",), systems=("radarlab", "radarlab_torch",
                                                                                    "vllm")), ms, {})
     ops = doc["environment"]["radarlab_cpu_ops"]
-    assert ops["built"] is False or ops["operators"] == ["paged_decode", "rms_norm", "silu_and_mul", "rotary_embedding"]
+    assert ops["built"] is False or ops["operators"] == ["paged_decode", "reshape_and_cache", "rms_norm", "silu_and_mul",
+                                                      "rotary_embedding"]
     assert "radarlab / radarlab_torch" in format_table(doc)
 
 

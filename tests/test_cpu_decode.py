@@ -138,11 +138,14 @@ def test_bad_inputs_raise_and_name_the_problem():
 
 _OTHER_ISA = textwrap.dedent("""
     import json, sys, torch
+    import torch.nn.functional as F
     sys.path.insert(0, {tests!r})
     from radarlab.cpu_ops import load_cpu_ops
     from radarlab.attention.cpu_decode import paged_decode_cpu
+    from radarlab.models.llama import RMSNorm, apply_rope
     from test_paged_attention import make_case
-    load_cpu_ops()
+    from test_cpu_ops import ulps
+    ops = load_cpu_ops()
     errors = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for heads in ((9, 3, 64), (4, 2, 128), (6, 3, 40)):
@@ -151,7 +154,24 @@ _OTHER_ISA = textwrap.dedent("""
                 q = case.q.float()
                 out = paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
                 errors.append(float((out - case.expected).abs().max()))
-    print(json.dumps(errors))
+    fused_ulps = []  # the fused operators against the torch code, in 16-bit: ulps apart at most
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16):
+        x = (torch.randn(7, 100) * 3).to(dtype)  # 100: vectors and a scalar tail
+        norm = RMSNorm(100, 1e-5).to(dtype)
+        with torch.inference_mode():
+            fused_ulps.append(int(ulps(norm(x, ops), norm(x)).max()))
+        gate, up = (torch.randn(7, 200) * 4).to(dtype).split(100, dim=-1)
+        out = torch.empty(7, 100, dtype=dtype)
+        ops.silu_and_mul(out, gate, up)
+        fused_ulps.append(int(ulps(out, F.silu(gate) * up).max()))
+        q, k = torch.randn(5, 9, 72).to(dtype), torch.randn(5, 3, 72).to(dtype)  # half = 36: vectors and a tail
+        emb = torch.arange(5)[:, None] * 0.3 ** torch.arange(36)[None, :]
+        cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
+        want = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        ops.rotary_embedding(q, k, cos, sin)
+        fused_ulps.append(max(int(ulps(q, want[0]).max()), int(ulps(k, want[1]).max())))
+    print(json.dumps({{"attention": errors, "fused_ulps": fused_ulps}}))
 """)
 
 
@@ -159,7 +179,8 @@ _OTHER_ISA = textwrap.dedent("""
 @pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "plain_loops"])
 def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch):
     """The AVX2 build (what an AVX2-only CPU compiles) and the plain-loop build (no AVX at all), each
-    in a child process, on this machine's CPU (which can run both)."""
+    in a child process, on this machine's CPU (which can run both): the decode kernel against fp32
+    math, the fused operators against the torch code."""
     if cpu_arch() != "x86_64" or (march == "haswell" and not cpu_flags().get("avx2")):
         pytest.skip("needs an x86-64 CPU (with AVX2 for the haswell build)")
     monkeypatch.setenv("RADARLAB_CACHE", str(tmp_path))  # a fresh build, not this machine's cached one
@@ -169,8 +190,9 @@ def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch
     env = {**os.environ, "RADARLAB_CPU_MARCH": march}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    errors = json.loads(done.stdout.strip().splitlines()[-1])
-    assert len(errors) == 18 and max(errors) < TOL
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["attention"]) == 18 and max(result["attention"]) < TOL
+    assert len(result["fused_ulps"]) == 6 and max(result["fused_ulps"]) <= 2, result["fused_ulps"]
 
 
 @pytest.mark.slow
@@ -184,18 +206,18 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_kernel(model, pro
     runs = {}
     for kernel in (True, False):
         engine = Engine(model, num_blocks=128, block_size=16, kv_cache_dtype="bfloat16" if dtype == torch.bfloat16
-                        else "auto", decode_kernel=kernel)
-        assert engine.cache.decode_kernel is kernel
+                        else "auto", cpu_ops=kernel)
+        assert engine.cache.cpu_ops is kernel
         runs[kernel] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert runs[True] == runs[False]
-    assert Engine(model, num_blocks=8).cache.decode_kernel  # the default, where the kernel builds
+    assert Engine(model, num_blocks=8).cache.cpu_ops  # the default, where the operators build
 
 
 def test_the_kernel_is_refused_where_it_cannot_read_the_pool(tiny):
     from radarlab.kvcache.paged_cache import PagedKVCache
 
-    with pytest.raises(ValueError, match="decode_kernel=True needs the torch backend.*fp8_e4m3"):
-        PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3", decode_kernel=True)
+    with pytest.raises(ValueError, match="cpu_ops=True needs the torch backend.*fp8_e4m3"):
+        PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3", cpu_ops=True)
     with pytest.raises(ValueError, match="backend='triton'"):
-        PagedKVCache.for_model(tiny.config, 8, 4, backend="triton", decode_kernel=True)
-    assert not PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3").decode_kernel  # auto: no
+        PagedKVCache.for_model(tiny.config, 8, 4, backend="triton", cpu_ops=True)
+    assert not PagedKVCache.for_model(tiny.config, 8, 4, kv_cache_dtype="fp8_e4m3").cpu_ops  # auto: no

@@ -133,3 +133,27 @@ def test_use_cpu_ops_true_raises_where_they_cannot_be_built(tiny, monkeypatch):
         tiny.use_cpu_ops = None
     with torch.enable_grad():
         assert tiny.cpu_ops(torch.zeros(1)) is None  # autograd: always the torch code
+
+
+@pytest.mark.parametrize("src, pool", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
+                                       (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
+def test_reshape_and_cache_writes_what_the_torch_write_writes(src, pool):
+    """The C++ KV write against paged_cache.reshape_and_cache: K/V given as views of the qkv GEMM's
+    output, slots scattered, -1 skipped, cast to the pool's dtype as .to() rounds."""
+    from radarlab.kvcache.paged_cache import reshape_and_cache
+
+    torch.manual_seed(0)
+    qkv = torch.randn(6, (9 + 2 * 3) * 64).to(src)
+    k = qkv[:, 9 * 64:12 * 64].view(6, 3, 64)
+    v = qkv[:, 12 * 64:].view(6, 3, 64)
+    slots = torch.tensor([17, 3, -1, 40, 0, 63])
+    ours = [torch.full((4, 16, 3, 64), 7.0, dtype=pool) for _ in range(2)]
+    theirs = [c.clone() for c in ours]
+    load_cpu_ops().reshape_and_cache(k, v, *ours, slots)
+    reshape_and_cache(k, v, *theirs, slots)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert (ours[0].view(64, 3, 64)[[1, 2, 4]] == 7.0).all()  # no other slot written
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 64 is outside the pool"):
+        load_cpu_ops().reshape_and_cache(k, v, *ours, torch.tensor([1, 64, 2, 3, 4, 5]))
+    with pytest.raises(RuntimeError, match="one per slot"):
+        load_cpu_ops().reshape_and_cache(k, v, *ours, slots[:5])

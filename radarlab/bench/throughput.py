@@ -119,7 +119,7 @@ def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig, cpu
 
     num_blocks = blocks_needed(prompts, config.max_tokens, config.block_size)
     engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
-                    max_num_batched_tokens=config.max_num_batched_tokens, decode_kernel=None if cpu_ops else False)
+                    max_num_batched_tokens=config.max_num_batched_tokens, cpu_ops=None if cpu_ops else False)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     model.use_cpu_ops = None if cpu_ops else False
     try:
@@ -333,7 +333,7 @@ def cpu_ops_status() -> dict:
     except CpuOpsUnavailable as err:
         return {"built": False, "reason": str(err)}
     return {"built": True, "march": os.environ.get("RADARLAB_CPU_MARCH", "native"),
-            "operators": ["paged_decode", "rms_norm", "silu_and_mul", "rotary_embedding"]}
+            "operators": ["paged_decode", "reshape_and_cache", "rms_norm", "silu_and_mul", "rotary_embedding"]}
 
 
 def format_table(doc: dict) -> str:

@@ -1,7 +1,7 @@
 // SwiGLU's gate: out = silu(gate) * up in one pass, as vLLM's silu_and_mul.
 //
 // gate and up are the two halves of one fused GEMM's output (radarlab.models.linear.fused_linear),
-// read in place through their row stride. Rounding follows torch's two ops: silu in fp32 rounded to
+// read in place through their row stride, in vectors (cpu_vec.h, its own exp). Rounding follows torch's two ops: silu in fp32 rounded to
 // the model's dtype, then the product rounded again.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -9,8 +9,10 @@
 #include <cmath>
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 
 namespace {
+namespace vec = radarlab::vec;
 using radarlab::round_to;
 using radarlab::to_float;
 
@@ -27,12 +29,21 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) 
     T* o = out.data_ptr<T>();
     const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
     at::parallel_for(0, gate.size(0), 1, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r)
-        for (int64_t i = 0; i < n; ++i) {
-          const float a = to_float(g[r * gs + i]);
-          const float silu = round_to<T>(a / (1.f + std::exp(-a)));
-          o[r * os + i] = static_cast<T>(silu * to_float(u[r * us + i]));
+      for (int64_t r = begin; r < end; ++r) {
+        const T *gr = g + r * gs, *ur = u + r * us;
+        T* orow = o + r * os;
+        int64_t i = 0;
+        for (; i + vec::N <= n; i += vec::N) {
+          const vec::fvec a = vec::load(gr + i);
+          const vec::fvec neg = vec::mul(a, vec::set(-1.f));
+          const vec::fvec silu = vec::round_to<T>(vec::div(a, vec::add(vec::set(1.f), vec::exp(neg))));
+          vec::store(orow + i, vec::mul(silu, vec::load(ur + i)));
         }
+        for (; i < n; ++i) {
+          const float a = to_float(gr[i]);
+          orow[i] = static_cast<T>(round_to<T>(a / (1.f + std::exp(-a))) * to_float(ur[i]));
+        }
+      }
     });
   });
 }

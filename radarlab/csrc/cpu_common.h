@@ -1,5 +1,5 @@
-// What the C++ operators share: 16-bit <-> fp32 conversions that round as torch rounds, so an
-// operator fused here gives the bits torch's unfused ops give in bf16 and fp16.
+// What the C++ operators share besides vectors (cpu_vec.h): scalar 16-bit <-> fp32 conversions that
+// round as torch rounds (for the tails of rows), dtype dispatch and argument checks.
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>

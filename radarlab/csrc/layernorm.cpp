@@ -1,7 +1,7 @@
 // RMSNorm in one pass per row: y = weight * (x / sqrt(mean(x^2) + eps)), as vLLM's rms_norm.
 //
 // The torch code (radarlab.models.llama.RMSNorm) runs eight ops per call, each a dispatch and a pass
-// over the activations. Here each row is summed and scaled by one thread. Rounding follows the torch
+// over the activations. Here each row is summed and scaled by one thread, in vectors (cpu_vec.h). Rounding follows the torch
 // code exactly: the sum and the normalized x in fp32, x/rms rounded to the model's dtype, then the
 // product with the weight rounded again (transformers' LlamaRMSNorm does the same).
 #include <ATen/Parallel.h>
@@ -10,8 +10,10 @@
 #include <cmath>
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 
 namespace {
+namespace vec = radarlab::vec;
 using radarlab::round_to;
 using radarlab::to_float;
 
@@ -30,11 +32,17 @@ void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, dou
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T* row = xp + r * xs;
-        float ss = 0.f;
-        for (int64_t i = 0; i < n; ++i) { const float v = to_float(row[i]); ss += v * v; }
-        const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
         T* o = op + r * os;
-        for (int64_t i = 0; i < n; ++i) o[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(row[i]) * inv));
+        vec::fvec acc = vec::zero();
+        int64_t i = 0;
+        for (; i + vec::N <= n; i += vec::N) { const vec::fvec v = vec::load(row + i); acc = vec::fma(v, v, acc); }
+        float ss = vec::sum(acc);
+        for (int64_t j = i; j < n; ++j) { const float v = to_float(row[j]); ss += v * v; }
+        const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
+        const vec::fvec iv = vec::set(inv);
+        for (i = 0; i + vec::N <= n; i += vec::N)
+          vec::store(o + i, vec::mul(vec::load(w + i), vec::round_to<T>(vec::mul(vec::load(row + i), iv))));
+        for (; i < n; ++i) o[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(row[i]) * inv));
       }
     });
   });

@@ -9,8 +9,8 @@
 // The query heads that share a KV head (GQA) are handled together: each K and V row is loaded once
 // for the whole group. At a batch large enough to keep every thread busy an item is a whole
 // sequence, so each token's row (all KV heads side by side) is read front to back. Vectors are
-// AVX-512 or AVX2 intrinsics, whichever the compiler was told the CPU has (-march=native), with a
-// plain-loop fallback for other CPUs; the same source is right on each.
+// radarlab::vec's (cpu_vec.h): AVX-512 or AVX2, whichever the compiler was told the CPU has
+// (-march=native), or plain loops on other CPUs; the same source is right on each.
 #include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -18,57 +18,14 @@
 #include <torch/library.h>
 
 #include <cmath>
-#include <cstring>
 #include <initializer_list>
 #include <type_traits>
 #include <vector>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
+
+#include "cpu_vec.h"
 
 namespace {
-
-// ---- a float vector of the widest width the compiler was told about, and the loads this needs ----
-#if defined(__AVX512F__)
-constexpr int N = 16;
-using fvec = __m512;
-inline fvec vzero() { return _mm512_setzero_ps(); }
-inline fvec vset(float x) { return _mm512_set1_ps(x); }
-inline fvec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline fvec vload(const c10::BFloat16* p) {  // bf16 is the top half of an fp32: widening is a shift
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
-inline fvec vload(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-inline void vstore(float* p, fvec v) { _mm512_storeu_ps(p, v); }
-inline fvec vfma(fvec a, fvec b, fvec c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(fvec v) { return _mm512_reduce_add_ps(v); }
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-constexpr int N = 8;
-using fvec = __m256;
-inline fvec vzero() { return _mm256_setzero_ps(); }
-inline fvec vset(float x) { return _mm256_set1_ps(x); }
-inline fvec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline fvec vload(const c10::BFloat16* p) {
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
-}
-inline fvec vload(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-inline void vstore(float* p, fvec v) { _mm256_storeu_ps(p, v); }
-inline fvec vfma(fvec a, fvec b, fvec c) { return _mm256_fmadd_ps(a, b, c); }
-inline float vsum(fvec v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-#else  // any other CPU: plain loops over 8 lanes, which the compiler vectorizes as it can
-constexpr int N = 8;
-struct fvec { float x[N]; };
-inline fvec vzero() { return fvec{}; }
-inline fvec vset(float a) { fvec v; for (int i = 0; i < N; ++i) v.x[i] = a; return v; }
-template <typename T> inline fvec vload(const T* p) { fvec v; for (int i = 0; i < N; ++i) v.x[i] = static_cast<float>(p[i]); return v; }
-inline void vstore(float* p, fvec v) { for (int i = 0; i < N; ++i) p[i] = v.x[i]; }
-inline fvec vfma(fvec a, fvec b, fvec c) { for (int i = 0; i < N; ++i) c.x[i] += a.x[i] * b.x[i]; return c; }
-inline float vsum(fvec v) { float s = 0.f; for (int i = 0; i < N; ++i) s += v.x[i]; return s; }
-#endif
+using namespace radarlab::vec;
 
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
@@ -82,6 +39,26 @@ struct Shape {
 // One work item: sequence s, KV heads h0 .. h0 + nh - 1, and their nh * group query heads.
 // HD is head_dim when it is a multiple of N known at compile time (the loops over it unroll and
 // K/V rows stay in registers); HD = 0 is any head_dim, read at run time, in scalar code.
+// p = softmax(s) in place, in fp32, vectorized over the context.
+inline void softmax(float* s, int64_t len) {
+  int64_t t = 0;
+  fvec mv = set(-INFINITY);
+  for (; t + N <= len; t += N) mv = max(mv, load(s + t));
+  float m = hmax(mv);
+  for (; t < len; ++t) m = s[t] > m ? s[t] : m;
+  fvec total = zero();
+  float tail = 0.f;
+  for (t = 0; t + N <= len; t += N) {
+    const fvec e = radarlab::vec::exp(add(load(s + t), set(-m)));
+    store(s + t, e);
+    total = add(total, e);
+  }
+  for (; t < len; ++t) { s[t] = std::exp(s[t] - m); tail += s[t]; }
+  const float inv = 1.f / (sum(total) + tail);
+  for (t = 0; t + N <= len; t += N) store(s + t, mul(load(s + t), set(inv)));
+  for (; t < len; ++t) s[t] *= inv;
+}
+
 template <typename Q, typename KV, int HD>
 struct Item {
   const Shape& sh;
@@ -112,16 +89,16 @@ struct Item {
         const KV* k = row(k_cache, table, t, h0 + hh);
         if constexpr (HD > 0) {
           fvec kv[HD / N];
-          for (int i = 0; i < HD / N; ++i) kv[i] = vload(k + i * N);
+          for (int i = 0; i < HD / N; ++i) kv[i] = load(k + i * N);
           for (int64_t g = 0; g < G; ++g) {
             const float* qg = qf.data() + (hh * G + g) * HD;
-            fvec s0 = vzero(), s1 = vzero();  // two chains: consecutive FMAs do not wait on each other
+            fvec s0 = zero(), s1 = zero();  // two chains: consecutive FMAs do not wait on each other
             for (int i = 0; i + 1 < HD / N; i += 2) {
-              s0 = vfma(vload(qg + i * N), kv[i], s0);
-              s1 = vfma(vload(qg + (i + 1) * N), kv[i + 1], s1);
+              s0 = fma(load(qg + i * N), kv[i], s0);
+              s1 = fma(load(qg + (i + 1) * N), kv[i + 1], s1);
             }
-            if constexpr ((HD / N) % 2) s0 = vfma(vload(qg + (HD / N - 1) * N), kv[HD / N - 1], s0);
-            scores[(hh * G + g) * len + t] = vsum(s0) + vsum(s1);
+            if constexpr ((HD / N) % 2) s0 = fma(load(qg + (HD / N - 1) * N), kv[HD / N - 1], s0);
+            scores[(hh * G + g) * len + t] = sum(add(s0, s1));
           }
         } else {
           for (int64_t g = 0; g < G; ++g) {
@@ -133,24 +110,17 @@ struct Item {
         }
       }
     }
-    for (int64_t j = 0; j < heads; ++j) {  // softmax over the context, in place
-      float* sj = scores.data() + j * len;
-      float m = -INFINITY, sum = 0.f;
-      for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
-      for (int64_t t = 0; t < len; ++t) { sj[t] = std::exp(sj[t] - m); sum += sj[t]; }
-      const float inv = 1.f / sum;
-      for (int64_t t = 0; t < len; ++t) sj[t] *= inv;
-    }
+    for (int64_t j = 0; j < heads; ++j) softmax(scores.data() + j * len, len);
     for (int64_t t = 0; t < len; ++t) {  // out = p V, V read the same way
       for (int64_t hh = 0; hh < nh; ++hh) {
         const KV* v = row(v_cache, table, t, h0 + hh);
         if constexpr (HD > 0) {
           fvec vv[HD / N];
-          for (int i = 0; i < HD / N; ++i) vv[i] = vload(v + i * N);
+          for (int i = 0; i < HD / N; ++i) vv[i] = load(v + i * N);
           for (int64_t g = 0; g < G; ++g) {
-            const fvec p = vset(scores[(hh * G + g) * len + t]);
+            const fvec p = set(scores[(hh * G + g) * len + t]);
             float* a = acc.data() + (hh * G + g) * HD;
-            for (int i = 0; i < HD / N; ++i) vstore(a + i * N, vfma(p, vv[i], vload(a + i * N)));
+            for (int i = 0; i < HD / N; ++i) store(a + i * N, fma(p, vv[i], load(a + i * N)));
           }
         } else {
           for (int64_t g = 0; g < G; ++g) {

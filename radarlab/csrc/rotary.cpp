@@ -9,8 +9,10 @@
 #include <torch/library.h>
 
 #include "cpu_common.h"
+#include "cpu_vec.h"
 
 namespace {
+namespace vec = radarlab::vec;
 using radarlab::round_to;
 using radarlab::to_float;
 
@@ -18,7 +20,16 @@ template <typename T>
 void rotate_heads(T* x, int64_t heads, int64_t head_stride, int64_t half, const T* c, const T* s) {
   for (int64_t h = 0; h < heads; ++h) {
     T* v = x + h * head_stride;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+    for (; i + vec::N <= half; i += vec::N) {
+      const vec::fvec a = vec::load(v + i), b = vec::load(v + i + half);
+      const vec::fvec c1 = vec::load(c + i), c2 = vec::load(c + i + half);
+      const vec::fvec s1 = vec::load(s + i), s2 = vec::load(s + i + half);
+      const vec::fvec minus_b = vec::mul(b, vec::set(-1.f));
+      vec::store(v + i, vec::add(vec::round_to<T>(vec::mul(a, c1)), vec::round_to<T>(vec::mul(minus_b, s1))));
+      vec::store(v + i + half, vec::add(vec::round_to<T>(vec::mul(b, c2)), vec::round_to<T>(vec::mul(a, s2))));
+    }
+    for (; i < half; ++i) {
       const float a = to_float(v[i]), b = to_float(v[i + half]);
       // cos and sin repeat over the two halves (emb = cat(freqs, freqs)), so c[i] and c[i + half] are equal
       v[i] = static_cast<T>(round_to<T>(a * to_float(c[i])) + round_to<T>(-b * to_float(s[i])));

@@ -57,11 +57,12 @@ class Engine:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, backend: str = "torch",
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
-                 speculative_config: dict | None = None, decode_kernel: bool | None = None) -> None:
+                 speculative_config: dict | None = None, cpu_ops: bool | None = None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
-        speculative_config takes vLLM's keys (radarlab.spec.speculative_config). decode_kernel: whether
-        decodes use the C++ paged kernel on a CPU (PagedKVCache; None: wherever it can be built)."""
+        speculative_config takes vLLM's keys (radarlab.spec.speculative_config). cpu_ops: whether the
+        KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
+        they can be built; the model's own are Llama.use_cpu_ops)."""
         cfg = model.config
         if max_model_len is None:
             max_model_len = cfg.max_position_embeddings
@@ -76,7 +77,7 @@ class Engine:
         self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
                                             backend=backend, kv_cache_dtype=kv_cache_dtype,
-                                            max_num_seqs=max_num_seqs, decode_kernel=decode_kernel)
+                                            max_num_seqs=max_num_seqs, cpu_ops=cpu_ops)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id

@@ -80,8 +80,9 @@ class PagedKVCache:
 
     self.k[layer] is one layer's pool. backend picks how writes and attention run: "torch" (gather
     the context's rows, then torch's fused SDPA; sdpa_paged.py) or "triton" (kernels that read the
-    blocks in place). decode_kernel (torch backend, 16-bit or fp32 pools on a CPU): the decodes go to
-    the C++ kernel that reads the blocks in place (cpu_decode.py); None: wherever it can be built.
+    blocks in place). cpu_ops (torch backend, fp32 or 16-bit pools on a CPU): the KV write and the
+    decodes' attention run as radarlab's C++ operators (radarlab.cpu_ops: reshape_and_cache, and the
+    paged decode kernel that reads the blocks in place); None: wherever they can be built.
     """
 
     BACKENDS = ("torch", "triton")
@@ -101,7 +102,7 @@ class PagedKVCache:
         v_scale=1.0,
         num_tail_groups: int | None = None,
         num_sinks: int | None = None,
-        decode_kernel: bool | None = None,
+        cpu_ops: bool | None = None,
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
@@ -145,15 +146,16 @@ class PagedKVCache:
         self.rotation = (rotation_matrix(fmt.rotation, head_dim).to(device) if fmt.rotation else None)
         self.sinks = (SinkStore(fmt.sink, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
                                 num_sinks) if fmt.sink else None)
-        self.decode_kernel = self._decode_kernel(decode_kernel)
+        self.cpu_ops = self._use_cpu_ops(cpu_ops)
 
-    def _decode_kernel(self, wanted: bool | None) -> bool:
-        """Whether decodes use the C++ kernel: it reads plain fp32/16-bit blocks on the CPU."""
+    def _use_cpu_ops(self, wanted: bool | None) -> bool:
+        """Whether the write and the decodes use the C++ operators: they read plain fp32/16-bit blocks
+        on the CPU."""
         fits = self.backend == "torch" and not self.kv_format.is_quantized and self.k.device.type == "cpu"
         if wanted is None:
             return fits and cpu_ops_available(self.k.device)
         if wanted and not fits:
-            raise ValueError(f"decode_kernel=True needs the torch backend, a CPU pool and an unquantized format; "
+            raise ValueError(f"cpu_ops=True needs the torch backend, a CPU pool and an unquantized format; "
                              f"got backend={self.backend!r}, device={self.k.device}, "
                              f"kv_cache_dtype={self.kv_format.name!r}")
         if wanted:
@@ -163,12 +165,12 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
-                  v_scale=1.0, max_num_seqs: int | None = None, decode_kernel: bool | None = None) -> "PagedKVCache":
+                  v_scale=1.0, max_num_seqs: int | None = None, cpu_ops: bool | None = None) -> "PagedKVCache":
         """max_num_seqs sizes what a format keeps per sequence (KIVI's tails, the sinks); None: 64."""
         fmt = kv_format(kv_cache_dtype)
         tails = default_tail_groups(fmt, max_num_seqs) if max_num_seqs and fmt.kind == "kivi" else None
         return cls(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, block_size,
-                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs, decode_kernel)
+                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs, cpu_ops)
 
     def set_kv_scales(self, k_scale, v_scale) -> None:
         """fp8's static scales, one per layer: a number (every layer), a tensor [num_layers], or per head
@@ -322,7 +324,7 @@ class PagedKVCache:
     def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
         return replace(meta, plan=plan_paged_sdpa(meta.block_tables, meta.seq_lens, meta.query_start_loc,
                                                   self.block_size, meta.slot_mapping,
-                                                  decode_kernel=self.decode_kernel))
+                                                  decode_kernel=self.cpu_ops))
 
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables.
@@ -350,7 +352,10 @@ class PagedKVCache:
                                           meta.query_start_loc, scale, check=False)
         # The torch path: SDPA over gathered rows (sdpa_paged.py), equal to paged_attention_torch. The
         # step's plan knows whether any slot is padding, so no layer's write has to look.
-        reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping, padded=meta.plan.padded)
+        if self.cpu_ops:
+            load_cpu_ops().reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
+        else:
+            reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping, padded=meta.plan.padded)
         return paged_attention_sdpa(q, self.k[layer], self.v[layer], meta.plan, scale)
 
     def _attend_quantized(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
