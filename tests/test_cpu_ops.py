@@ -48,6 +48,20 @@ def test_rms_norm_equals_the_torch_code(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_add_rms_norm_updates_the_residual_and_norms_it(dtype):
+    """vLLM's fused_add_rms_norm: x += delta in place (as torch's add rounds), then the norm of x."""
+    torch.manual_seed(3)
+    norm = RMSNorm(576, 1e-5).to(dtype)
+    x, delta = (torch.randn(9, 576) * 3).to(dtype), torch.randn(9, 576).to(dtype)
+    with torch.inference_mode():
+        want_x = x + delta
+        want = norm(want_x)
+        got = norm.add_forward(x, delta, load_cpu_ops())
+    assert torch.equal(x, want_x)  # the residual stream, in place and bit for bit
+    assert_as_torch_rounds(got, want, most=2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_and_mul_reads_the_fused_gemm_output_in_place(dtype):
     torch.manual_seed(1)
     gate_up = (torch.randn(19, 2 * 1536) * 4).to(dtype)

@@ -1,4 +1,5 @@
-// RMSNorm in one pass per row: y = weight * (x / sqrt(mean(x^2) + eps)), as vLLM's rms_norm.
+// RMSNorm in one pass per row: y = weight * (x / sqrt(mean(x^2) + eps)), as vLLM's rms_norm, and
+// with the residual add before it, as vLLM's fused_add_rms_norm.
 //
 // The torch code (radarlab.models.llama.RMSNorm) runs eight ops per call, each a dispatch and a pass
 // over the activations. Here each row is summed and scaled by one thread, in vectors (cpu_vec.h). Rounding follows the torch
@@ -17,37 +18,73 @@ namespace vec = radarlab::vec;
 using radarlab::round_to;
 using radarlab::to_float;
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+// One row: out = weight * round(x / rms(x)), summed in vectors.
+template <typename T>
+void norm_row(T* o, const T* row, const T* w, int64_t n, float eps) {
+  vec::fvec acc = vec::zero();
+  int64_t i = 0;
+  for (; i + vec::N <= n; i += vec::N) { const vec::fvec v = vec::load(row + i); acc = vec::fma(v, v, acc); }
+  float ss = vec::sum(acc);
+  for (int64_t j = i; j < n; ++j) { const float v = to_float(row[j]); ss += v * v; }
+  const float inv = 1.f / std::sqrt(ss / float(n) + eps);
+  const vec::fvec iv = vec::set(inv);
+  for (i = 0; i + vec::N <= n; i += vec::N)
+    vec::store(o + i, vec::mul(vec::load(w + i), vec::round_to<T>(vec::mul(vec::load(row + i), iv))));
+  for (; i < n; ++i) o[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(row[i]) * inv));
+}
+
+void check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const char* op) {
   const int64_t n = weight.numel();
-  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(),
-              "rms_norm: weight must be a contiguous 1-D tensor of x's dtype");
-  radarlab::check_rows(x, n, "rms_norm", "x");
-  radarlab::check_rows(out, n, "rms_norm", "out");
-  TORCH_CHECK(out.size(0) == x.size(0) && out.scalar_type() == x.scalar_type(), "rms_norm: out must match x");
+  TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), op,
+              ": weight must be a contiguous 1-D tensor of x's dtype");
+  radarlab::check_rows(x, n, op, "x");
+  radarlab::check_rows(out, n, op, "out");
+  TORCH_CHECK(out.size(0) == x.size(0) && out.scalar_type() == x.scalar_type(), op, ": out must match x");
+}
+
+void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check(out, x, weight, "rms_norm");
+  const int64_t n = weight.numel();
   radarlab::dispatch_float(x, "rms_norm", [&]<typename T>() {
-    const T* xp = x.data_ptr<T>();
-    const T* w = weight.data_ptr<T>();
+    const T *xp = x.data_ptr<T>(), *w = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
-    const int64_t xs = x.stride(0), os = out.stride(0);
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) norm_row(op + r * out.stride(0), xp + r * x.stride(0), w, n, float(eps));
+    });
+  });
+}
+
+// The residual stream and the next norm in one pass, as vLLM's fused_add_rms_norm: x += delta in
+// place (rounded to x's dtype, as torch's add), then out = rms_norm(x).
+void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check(out, x, weight, "add_rms_norm");
+  radarlab::check_rows(delta, weight.numel(), "add_rms_norm", "delta");
+  TORCH_CHECK(delta.size(0) == x.size(0) && delta.scalar_type() == x.scalar_type(),
+              "add_rms_norm: delta must match x");
+  const int64_t n = weight.numel();
+  radarlab::dispatch_float(x, "add_rms_norm", [&]<typename T>() {
+    T* xp = x.data_ptr<T>();
+    const T *dp = delta.data_ptr<T>(), *w = weight.data_ptr<T>();
+    T* op = out.data_ptr<T>();
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
-        const T* row = xp + r * xs;
-        T* o = op + r * os;
-        vec::fvec acc = vec::zero();
+        T* row = xp + r * x.stride(0);
+        const T* d = dp + r * delta.stride(0);
         int64_t i = 0;
-        for (; i + vec::N <= n; i += vec::N) { const vec::fvec v = vec::load(row + i); acc = vec::fma(v, v, acc); }
-        float ss = vec::sum(acc);
-        for (int64_t j = i; j < n; ++j) { const float v = to_float(row[j]); ss += v * v; }
-        const float inv = 1.f / std::sqrt(ss / float(n) + float(eps));
-        const vec::fvec iv = vec::set(inv);
-        for (i = 0; i + vec::N <= n; i += vec::N)
-          vec::store(o + i, vec::mul(vec::load(w + i), vec::round_to<T>(vec::mul(vec::load(row + i), iv))));
-        for (; i < n; ++i) o[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(row[i]) * inv));
+        for (; i + vec::N <= n; i += vec::N) vec::store(row + i, vec::add(vec::load(row + i), vec::load(d + i)));
+        for (; i < n; ++i) row[i] = static_cast<T>(to_float(row[i]) + to_float(d[i]));
+        norm_row(op + r * out.stride(0), row, w, n, float(eps));
       }
     });
   });
 }
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radarlab, m) { m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()"); }
-TORCH_LIBRARY_IMPL(radarlab, CPU, m) { m.impl("rms_norm", &rms_norm); }
+TORCH_LIBRARY_FRAGMENT(radarlab, m) {
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) x, Tensor delta, Tensor weight, float eps) -> ()");
+}
+TORCH_LIBRARY_IMPL(radarlab, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+}

@@ -107,6 +107,13 @@ class RMSNorm(nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor, ops) -> torch.Tensor:
+        """x += delta (in place: the residual stream), then the norm of x; one pass with ops."""
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        ops.add_rms_norm(out.view(-1, x.shape[-1]), x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]),
+                         self.weight, self.eps)
+        return out
+
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     """Per-pair rotation frequencies theta^(-2i/d), with llama3's long-context rescaling if configured."""
@@ -188,8 +195,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, cos, sin, kv_cache, meta, ops=None):
-        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, kv_cache, meta, ops)
-        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+        """With ops (radarlab's C++ operators), x, the residual stream, is updated in place: the
+        attention's output is added to it in the same pass as the next norm, as vLLM does."""
+        if ops is None:
+            x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.self_attn(self.input_layernorm(x, ops), cos, sin, kv_cache, meta, ops)
+        return x.add_(self.mlp(self.post_attention_layernorm.add_forward(x, h, ops), ops))
 
 
 class Llama(nn.Module):
