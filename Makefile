@@ -67,7 +67,7 @@ figures: setup model
 bench: setup model vllm
 	mkdir -p bench-results
 	$(VPY) -m radarlab.bench memory --json bench-results/memory.json
-	$(VPY) -m radarlab.bench throughput --json bench-results/throughput.json
+	$(VPY) -m radarlab.bench throughput --repeats 3 --json bench-results/throughput.json
 	$(VPY) -m radarlab.bench latency --threads 1 --json bench-results/latency.json
 
 validate: setup model vllm

@@ -82,6 +82,7 @@ def test_results_path_is_one_file_per_cpu_kind():
     ("max_tokens", 0, "max_tokens"),
     ("min_prompt_len", 200, "above max_prompt_len"),
     ("seed", -1, "seed"),
+    ("repeats", 0, "repeats"),
 ])
 def test_bad_config_raises(field, value, match):
     with pytest.raises(ValueError, match=match):
@@ -114,14 +115,15 @@ def test_report_holds_only_what_this_run_measured():
 def test_end_to_end_every_system(tmp_path, capsys):
     path = tmp_path / "throughput.json"
     code = bench_main(["throughput", "--batch-sizes", "1,3", "--dtypes", "float32", "--max-tokens", "4",
-                       "--json", str(path)])
+                       "--repeats", "2", "--json", str(path)])
     assert code == 0
     doc = json.loads(path.read_text())
     assert doc["benchmark"] == "throughput" and doc["environment"]["vllm_vllm_version"]
     got = {(r["system"], r["batch_size"]) for r in doc["results"]}
     assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm") for b in (1, 3)}
     for r in doc["results"]:
-        assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s"}
+        assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s", "seconds_runs"}
+        assert r["seconds"] == min(r["seconds_runs"]) and len(r["seconds_runs"]) == 2
         assert r["dtype"] == "float32" and r["output_tokens"] == 4 * r["batch_size"]
         assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
     # the systems did the same work: fp32 greedy continuations agree

@@ -14,9 +14,12 @@ prefill included, is the figure (vLLM's `benchmark_throughput` reports the same 
   LLM.generate is timed inside the worker, so start-up is excluded as for the others. Prefix
   caching is off: the batches share prompts, and a hit would skip work the others do.
 
-Each system runs one short warm-up batch per dtype first. Greedy outputs are compared with
-radarlab's as a check that the systems did the same work (in fp32 they should mostly agree;
-random-token prompts give flat distributions, so near-ties flip in bf16).
+Each system runs one short warm-up batch per dtype first. A cell is one generation of one to ten
+seconds, and a busy moment of a shared machine moves it by ten percent: with --repeats R every
+system runs each cell R times (vLLM in its one process) and the fastest counts; the JSON keeps all
+(seconds_runs). Greedy outputs are compared with radarlab's as a check that the systems did the
+same work (in fp32 they should mostly agree; random-token prompts give flat distributions, so
+near-ties flip in bf16).
 """
 from __future__ import annotations
 
@@ -64,9 +67,11 @@ class ThroughputConfig:
     model: str | None = None  # HF id or directory; None is the course model
     block_size: int = 16
     max_num_batched_tokens: int = 2048  # radarlab's per-step token budget (chunked prefill)
+    repeats: int = 1  # runs per cell, every system alike; the fastest counts
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens"):
+        for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens",
+                     "repeats"):
             require_int(name, getattr(self, name))
         require_int("seed", self.seed, minimum=0)
         if self.min_prompt_len > self.max_prompt_len:
@@ -92,9 +97,11 @@ class Measurement:
     seconds: float
     tokens_per_s: float = field(init=False)
     outputs: list[list[int]] = field(default_factory=list, repr=False)
+    seconds_runs: list[float] = field(default_factory=list)  # every repeat; seconds is the fastest
 
     def __post_init__(self) -> None:
         self.tokens_per_s = self.output_tokens / self.seconds if self.seconds > 0 else float("inf")
+        self.seconds_runs = self.seconds_runs or [self.seconds]
 
     def row(self) -> dict:
         d = asdict(self)
@@ -196,9 +203,14 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
         prompt_sets = [random_token_prompts(b, vocab, (config.min_prompt_len, config.max_prompt_len), config.seed)
                        for b in config.batch_sizes]  # batch size B gets the first B prompts
 
-        def record(system, prompts, outputs, seconds):
-            m = Measurement(system, len(prompts), dtype_name, _count(outputs, config.max_tokens, system), seconds,
-                            outputs)
+        def record(system, prompts, runs):
+            """runs: (outputs, seconds) of each repeat; the fastest counts, and all must agree."""
+            outputs = runs[0][0]
+            if any(o != outputs for o, _ in runs):
+                raise RuntimeError(f"{system}: repeats of batch {len(prompts)} gave different greedy outputs")
+            seconds = [s for _, s in runs]
+            m = Measurement(system, len(prompts), dtype_name, _count(outputs, config.max_tokens, system),
+                            min(seconds), outputs, seconds)
             measurements.append(m)
             log(f"{system:>12} {dtype_name:>8} batch {m.batch_size:>3}: {m.output_tokens:>5} tokens in "
                 f"{m.seconds:7.2f} s = {m.tokens_per_s:7.1f} tok/s")
@@ -209,18 +221,20 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
                 model = Llama.from_hf(hf_model)
                 time_radarlab(model, prompt_sets[0][:2], _warmup(config), cpu_ops)
                 for prompts in prompt_sets:
-                    record(system, prompts, *time_radarlab(model, prompts, config, cpu_ops))
+                    record(system, prompts, [time_radarlab(model, prompts, config, cpu_ops)
+                                             for _ in range(config.repeats)])
                 del model
         if "transformers" in config.systems:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             time_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
             for prompts in prompt_sets:
-                record("transformers", prompts, *time_transformers(hf_model, pad, prompts, config))
+                record("transformers", prompts, [time_transformers(hf_model, pad, prompts, config)
+                                                 for _ in range(config.repeats)])
         del hf_model
         if "vllm" in config.systems:
-            results, info["vllm"] = time_vllm(prompt_sets, dtype_name, config)
-            for prompts, (outputs, seconds) in zip(prompt_sets, results):
-                record("vllm", prompts, outputs, seconds)
+            results, info["vllm"] = time_vllm(prompt_sets * config.repeats, dtype_name, config)  # one process
+            for i, prompts in enumerate(prompt_sets):
+                record("vllm", prompts, results[i::len(prompt_sets)])
     return measurements, info
 
 
@@ -391,6 +405,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=c.block_size, help="radarlab block size (%(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
                         help="radarlab's token budget per step (%(default)s)")
+    parser.add_argument("--repeats", type=int, default=c.repeats,
+                        help="runs per cell, every system alike; the fastest counts (%(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
@@ -399,7 +415,7 @@ def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
                             dtypes=comma_names(args.dtypes), systems=comma_names(args.systems), max_tokens=args.max_tokens,
                             min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len, seed=args.seed,
                             model=args.model, block_size=args.block_size,
-                            max_num_batched_tokens=args.max_num_batched_tokens)
+                            max_num_batched_tokens=args.max_num_batched_tokens, repeats=args.repeats)
 
 
 def main(args: argparse.Namespace) -> int:
