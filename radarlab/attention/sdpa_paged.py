@@ -164,7 +164,7 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     k_rows = k_cache.view(-1, num_kv_heads, head_dim)  # slot s is row s
     v_rows = v_cache.view(-1, num_kv_heads, head_dim)
     gqa = q.shape[1] != num_kv_heads
-    if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+    if plan.kernel is None and len(plan.decodes) == 1 and plan.decodes[0].rows is None:
         return _decode(q, k_rows, v_rows, plan.decodes[0], scale)  # all decodes, one call, no scatter
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.kernel is not None:  # the decodes' rows of out, straight from the blocks

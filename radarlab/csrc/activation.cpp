@@ -16,18 +16,17 @@ namespace vec = radarlab::vec;
 using radarlab::round_to;
 using radarlab::to_float;
 
-void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) {
+at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = gate.size(-1);
   radarlab::check_rows(gate, n, "silu_and_mul", "gate");
   radarlab::check_rows(up, n, "silu_and_mul", "up");
-  radarlab::check_rows(out, n, "silu_and_mul", "out");
-  TORCH_CHECK(up.size(0) == gate.size(0) && out.size(0) == gate.size(0), "silu_and_mul: row counts differ");
-  TORCH_CHECK(up.scalar_type() == gate.scalar_type() && out.scalar_type() == gate.scalar_type(),
-              "silu_and_mul: gate, up and out must share a dtype");
+  TORCH_CHECK(up.size(0) == gate.size(0), "silu_and_mul: row counts differ");
+  TORCH_CHECK(up.scalar_type() == gate.scalar_type(), "silu_and_mul: gate and up must share a dtype");
+  at::Tensor out = gate.new_empty({gate.size(0), n});
   radarlab::dispatch_float(gate, "silu_and_mul", [&]<typename T>() {
     const T *g = gate.data_ptr<T>(), *u = up.data_ptr<T>();
     T* o = out.data_ptr<T>();
-    const int64_t gs = gate.stride(0), us = up.stride(0), os = out.stride(0);
+    const int64_t gs = gate.stride(0), us = up.stride(0), os = n;
     at::parallel_for(0, gate.size(0), 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const T *gr = g + r * gs, *ur = u + r * us;
@@ -46,8 +45,9 @@ void silu_and_mul(at::Tensor out, const at::Tensor& gate, const at::Tensor& up) 
       }
     });
   });
+  return out;
 }
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(radarlab, m) { m.def("silu_and_mul(Tensor(a!) out, Tensor gate, Tensor up) -> ()"); }
+TORCH_LIBRARY_FRAGMENT(radarlab, m) { m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor"); }
 TORCH_LIBRARY_IMPL(radarlab, CPU, m) { m.impl("silu_and_mul", &silu_and_mul); }

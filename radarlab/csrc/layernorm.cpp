@@ -33,35 +33,35 @@ void norm_row(T* o, const T* row, const T* w, int64_t n, float eps) {
   for (; i < n; ++i) o[i] = static_cast<T>(to_float(w[i]) * round_to<T>(to_float(row[i]) * inv));
 }
 
-void check(const at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, const char* op) {
-  const int64_t n = weight.numel();
+void check(const at::Tensor& x, const at::Tensor& weight, const char* op) {
   TORCH_CHECK(weight.dim() == 1 && weight.is_contiguous() && weight.scalar_type() == x.scalar_type(), op,
               ": weight must be a contiguous 1-D tensor of x's dtype");
-  radarlab::check_rows(x, n, op, "x");
-  radarlab::check_rows(out, n, op, "out");
-  TORCH_CHECK(out.size(0) == x.size(0) && out.scalar_type() == x.scalar_type(), op, ": out must match x");
+  radarlab::check_rows(x, weight.numel(), op, "x");
 }
 
-void rms_norm(at::Tensor out, const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check(out, x, weight, "rms_norm");
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check(x, weight, "rms_norm");
   const int64_t n = weight.numel();
+  at::Tensor out = x.new_empty({x.size(0), n});
   radarlab::dispatch_float(x, "rms_norm", [&]<typename T>() {
     const T *xp = x.data_ptr<T>(), *w = weight.data_ptr<T>();
     T* op = out.data_ptr<T>();
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) norm_row(op + r * out.stride(0), xp + r * x.stride(0), w, n, float(eps));
+      for (int64_t r = begin; r < end; ++r) norm_row(op + r * n, xp + r * x.stride(0), w, n, float(eps));
     });
   });
+  return out;
 }
 
 // The residual stream and the next norm in one pass, as vLLM's fused_add_rms_norm: x += delta in
 // place (rounded to x's dtype, as torch's add), then out = rms_norm(x).
-void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
-  check(out, x, weight, "add_rms_norm");
+at::Tensor add_rms_norm(at::Tensor x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check(x, weight, "add_rms_norm");
   radarlab::check_rows(delta, weight.numel(), "add_rms_norm", "delta");
   TORCH_CHECK(delta.size(0) == x.size(0) && delta.scalar_type() == x.scalar_type(),
               "add_rms_norm: delta must match x");
   const int64_t n = weight.numel();
+  at::Tensor out = x.new_empty({x.size(0), n});
   radarlab::dispatch_float(x, "add_rms_norm", [&]<typename T>() {
     T* xp = x.data_ptr<T>();
     const T *dp = delta.data_ptr<T>(), *w = weight.data_ptr<T>();
@@ -73,16 +73,17 @@ void add_rms_norm(at::Tensor out, at::Tensor x, const at::Tensor& delta, const a
         int64_t i = 0;
         for (; i + vec::N <= n; i += vec::N) vec::store(row + i, vec::add(vec::load(row + i), vec::load(d + i)));
         for (; i < n; ++i) row[i] = static_cast<T>(to_float(row[i]) + to_float(d[i]));
-        norm_row(op + r * out.stride(0), row, w, n, float(eps));
+        norm_row(op + r * n, row, w, n, float(eps));
       }
     });
   });
+  return out;
 }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(radarlab, m) {
-  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
-  m.def("add_rms_norm(Tensor(a!) out, Tensor(b!) x, Tensor delta, Tensor weight, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(radarlab, CPU, m) {
   m.impl("rms_norm", &rms_norm);

@@ -98,10 +98,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         """ops: radarlab's C++ operators (Llama.cpu_ops), which do the same in one pass; None: torch."""
-        if ops is not None:
-            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-            ops.rms_norm(out.view(-1, x.shape[-1]), x.view(-1, x.shape[-1]), self.weight, self.eps)
-            return out
+        if ops is not None:  # x: [tokens, hidden], the residual stream
+            return ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -109,10 +107,7 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor, ops) -> torch.Tensor:
         """x += delta (in place: the residual stream), then the norm of x; one pass with ops."""
-        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        ops.add_rms_norm(out.view(-1, x.shape[-1]), x.view(-1, x.shape[-1]), delta.view(-1, x.shape[-1]),
-                         self.weight, self.eps)
-        return out
+        return ops.add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
@@ -181,9 +176,7 @@ class MLP(nn.Module):
         gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
         if ops is None:
             return self.down_proj(F.silu(gate) * up)
-        hidden = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
-        ops.silu_and_mul(hidden, gate, up)
-        return self.down_proj(hidden)
+        return self.down_proj(ops.silu_and_mul(gate, up))
 
 
 class DecoderLayer(nn.Module):
