@@ -1,7 +1,8 @@
 """Output tokens/s of each system by batch size, one panel per dtype, from `bench throughput` JSON."""
 from __future__ import annotations
 
-SYSTEM_COLOURS = {"radarlab": "tab:blue", "transformers": "tab:orange", "vllm": "tab:green"}
+SYSTEM_COLOURS = {"radarlab": "tab:blue", "radarlab_torch": "lightsteelblue", "transformers": "tab:orange",
+                  "vllm": "tab:green"}
 
 
 def plot_throughput(doc: dict):
