@@ -30,7 +30,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "fused C++ operators (RMSNorm, SwiGLU gate, RoPE)": ("radarlab::rms_norm", "radarlab::silu_and_mul",
                                                          "radarlab::rotary_embedding"),
     "dtype casts and copies": ("aten::copy_", "aten::_to_copy", "aten::clone"),
-    "KV write at slot mapping": ("aten::index_put_", "aten::_index_put_impl_"),
+    "KV write at slot mapping": ("aten::index_put_", "aten::_index_put_impl_", "radarlab::reshape_and_cache"),
 }
 OTHER_OPS = "other ops (norms, RoPE, SiLU, adds, views)"
 UNPROFILED = "outside ops (Python: scheduler, metadata, module calls)"
