@@ -148,25 +148,28 @@ def test_use_cpu_ops_true_raises_where_they_cannot_be_built(tiny, monkeypatch):
         assert tiny.cpu_ops(torch.zeros(1)) is None  # autograd: always the torch code
 
 
-@pytest.mark.parametrize("src, pool", [(torch.float32, torch.float32), (torch.float32, torch.bfloat16),
-                                       (torch.float32, torch.float16), (torch.bfloat16, torch.bfloat16)])
-def test_reshape_and_cache_writes_what_the_torch_write_writes(src, pool):
-    """The C++ KV write against paged_cache.reshape_and_cache: K/V given as views of the qkv GEMM's
-    output, slots scattered, -1 skipped, cast to the pool's dtype as .to() rounds."""
-    from radarlab.kvcache.paged_cache import reshape_and_cache
+def test_a_forward_hook_sees_the_tensors_of_the_torch_code(model):
+    """The operators rotate q and k and add to the residual stream in place. A hook that keeps the
+    k_proj output (notebook 07 does) must keep what k_proj returned, and one that keeps a layer's
+    output must keep that layer's output, not a tensor the next layer changes."""
+    from radarlab.validate.hf import our_logits
 
-    torch.manual_seed(0)
-    qkv = torch.randn(6, (9 + 2 * 3) * 64).to(src)
-    k = qkv[:, 9 * 64:12 * 64].view(6, 3, 64)
-    v = qkv[:, 12 * 64:].view(6, 3, 64)
-    slots = torch.tensor([17, 3, -1, 40, 0, 63])
-    ours = [torch.full((4, 16, 3, 64), 7.0, dtype=pool) for _ in range(2)]
-    theirs = [c.clone() for c in ours]
-    load_cpu_ops().reshape_and_cache(k, v, *ours, slots)
-    reshape_and_cache(k, v, *theirs, slots)
-    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
-    assert (ours[0].view(64, 3, 64)[[1, 2, 4]] == 7.0).all()  # no other slot written
-    with pytest.raises(RuntimeError, match=r"slot_mapping\[1\] = 64 is outside the pool"):
-        load_cpu_ops().reshape_and_cache(k, v, *ours, torch.tensor([1, 64, 2, 3, 4, 5]))
-    with pytest.raises(RuntimeError, match="one per slot"):
-        load_cpu_ops().reshape_and_cache(k, v, *ours, slots[:5])
+    ids = torch.arange(5, 25)
+    with torch.no_grad():
+        x = model.embed_tokens(ids)
+        want_k = model.layers[0].self_attn.k_proj(model.layers[0].input_layernorm(x, load_cpu_ops()))
+    seen_k, seen_layer = [], []
+    hooks = [model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, out: seen_k.append(out))]
+    try:
+        our_logits(model, ids)
+        hooks.append(model.layers[0].register_forward_hook(lambda m, a, out: seen_layer.extend([out, out.clone()])))
+        with torch.no_grad():
+            assert model.cpu_ops(torch.zeros(1)) is None  # a layer hook: the torch code
+        our_logits(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    with torch.no_grad():
+        assert model.cpu_ops(torch.zeros(1)) is not None  # hooks gone: the operators again
+    assert torch.equal(seen_k[0], want_k)  # un-rotated, as k_proj returned it
+    assert torch.equal(seen_layer[0], seen_layer[1])  # layer 0's output, as held, was not changed by layer 1

@@ -88,6 +88,13 @@ class LlamaConfig:
         )
 
 
+def _global_hooks() -> bool:
+    """Forward hooks registered for every module (torch.nn.modules.module.register_module_forward_hook)."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
+
+
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back (as transformers does)."""
 
@@ -152,8 +159,8 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
-        if ops is not None:  # rotated in place, in the qkv GEMM's output
-            ops.rotary_embedding(q, k, cos, sin)
+        if ops is not None and not (self.q_proj._forward_hooks or self.k_proj._forward_hooks or _global_hooks()):
+            ops.rotary_embedding(q, k, cos, sin)  # in place, in the qkv GEMM's output: no hook holds q or k
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
@@ -215,13 +222,21 @@ class Llama(nn.Module):
     def cpu_ops(self, x: torch.Tensor):
         """radarlab's C++ operators (radarlab.cpu_ops: RMSNorm, SwiGLU's gate and RoPE fused, each in
         one pass; vLLM's CPU backend fuses the same three) for a forward pass on x, or None for the
-        torch code. They run only on a CPU and only without autograd; use_cpu_ops=False turns them
-        off, True insists (and raises where they cannot be built)."""
-        if self.use_cpu_ops is False or x.device.type != "cpu" or torch.is_grad_enabled():
+        torch code. They run only on a CPU and only without autograd. They update the residual stream
+        in place, so a forward hook on the embedding or on a layer (which could hold it) turns them
+        off, and Attention rotates q and k in place only where q_proj and k_proj have no hook.
+        use_cpu_ops=False turns them off, True insists (and raises where they cannot be built)."""
+        if self.use_cpu_ops is False or x.device.type != "cpu" or torch.is_grad_enabled() or self._hooked():
             return None
         if self.use_cpu_ops is None and not cpu_ops_available(x.device):
             return None
         return load_cpu_ops()
+
+    def _hooked(self) -> bool:
+        """Does a forward hook see the residual stream: a global one, or one on the embedding or a layer."""
+        if _global_hooks():
+            return True
+        return any(m._forward_hooks or m._forward_pre_hooks for m in (self.embed_tokens, *self.layers))
 
     @classmethod
     def from_hf(cls, hf_model) -> "Llama":
