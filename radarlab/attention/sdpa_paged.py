@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from radarlab.cpu_ops import load_cpu_ops
+
 DECODES_PER_BUCKET = 16  # a bucket per this many decodes, up to max_buckets (measured: no gain at 16)
 
 
@@ -128,8 +130,6 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
 
 
 def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_loc, in_order: bool) -> KernelDecodes:
-    from radarlab.cpu_ops import load_cpu_ops
-
     index = torch.tensor(seqs, device=block_tables.device)
     tables = block_tables if in_order else block_tables[index]
     rows = None if in_order else query_start_loc[:-1].long()[index]

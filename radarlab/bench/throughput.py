@@ -128,13 +128,13 @@ def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig, cpu
     engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
                     max_num_batched_tokens=config.max_num_batched_tokens, cpu_ops=None if cpu_ops else False)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
-    model.use_cpu_ops = None if cpu_ops else False
+    before, model.use_cpu_ops = model.use_cpu_ops, (None if cpu_ops else False)
     try:
         t0 = time.perf_counter()
         outputs = engine.generate(prompts, params)
         seconds = time.perf_counter() - t0
     finally:
-        model.use_cpu_ops = None
+        model.use_cpu_ops = before
     return [o.output_token_ids for o in outputs], seconds
 
 

@@ -22,14 +22,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_common.h"
 #include "cpu_vec.h"
 
 namespace {
 using namespace radarlab::vec;
-
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
+using radarlab::to_float;
 
 struct Shape {
   int64_t num_seqs, num_kv_heads, group, head_dim, block_size, max_blocks;
@@ -74,6 +72,17 @@ struct Item {
            h * sh.head_dim;
   }
 
+  // f(t, hh, row) for every token t of the context and every KV head hh of the item, token by token.
+  template <typename F>
+  void each_row(const KV* pool, const int32_t* table, int64_t len, int64_t h0, int64_t nh, F&& f) const {
+    for (int64_t t = 0; t < len; ++t)
+      for (int64_t hh = 0; hh < nh; ++hh) f(t, hh, row(pool, table, t, h0 + hh));
+  }
+
+  static void load_head(fvec* dst, const KV* p) {  // one head's K or V row, widened, in registers
+    for (int i = 0; i < HD / N; ++i) dst[i] = load(p + i * N);
+  }
+
   void run(Q* out, const Q* q, const int32_t* table, int64_t len, int64_t r, int64_t h0, int64_t nh) {
     const int64_t D = sh.head_dim, G = sh.group, heads = nh * G;
     qf.resize(heads * D);
@@ -84,53 +93,48 @@ struct Item {
       for (int64_t d = 0; d < D; ++d) qf[j * D + d] = to_float(qh[d]) * scale;
     }
     // scores: token t's row holds every KV head's K side by side, so the item reads it front to back
-    for (int64_t t = 0; t < len; ++t) {
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        const KV* k = row(k_cache, table, t, h0 + hh);
-        if constexpr (HD > 0) {
-          fvec kv[HD / N];
-          for (int i = 0; i < HD / N; ++i) kv[i] = load(k + i * N);
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + (hh * G + g) * HD;
-            fvec s0 = zero(), s1 = zero();  // two chains: consecutive FMAs do not wait on each other
-            for (int i = 0; i + 1 < HD / N; i += 2) {
-              s0 = fma(load(qg + i * N), kv[i], s0);
-              s1 = fma(load(qg + (i + 1) * N), kv[i + 1], s1);
-            }
-            if constexpr ((HD / N) % 2) s0 = fma(load(qg + (HD / N - 1) * N), kv[HD / N - 1], s0);
-            scores[(hh * G + g) * len + t] = sum(add(s0, s1));
+    each_row(k_cache, table, len, h0, nh, [&](int64_t t, int64_t hh, const KV* k) {
+      float* s = scores.data() + hh * G * len + t;  // the group's scores for token t, len apart
+      if constexpr (HD > 0) {
+        fvec kv[HD / N];
+        load_head(kv, k);
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + (hh * G + g) * HD;
+          fvec s0 = zero(), s1 = zero();  // two chains: consecutive FMAs do not wait on each other
+          for (int i = 0; i + 1 < HD / N; i += 2) {
+            s0 = fma(load(qg + i * N), kv[i], s0);
+            s1 = fma(load(qg + (i + 1) * N), kv[i + 1], s1);
           }
-        } else {
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf.data() + (hh * G + g) * D;
-            float s = 0.f;
-            for (int64_t d = 0; d < D; ++d) s += qg[d] * to_float(k[d]);
-            scores[(hh * G + g) * len + t] = s;
-          }
+          if constexpr ((HD / N) % 2) s0 = fma(load(qg + (HD / N - 1) * N), kv[HD / N - 1], s0);
+          s[g * len] = sum(add(s0, s1));
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf.data() + (hh * G + g) * D;
+          float dot = 0.f;
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * to_float(k[d]);
+          s[g * len] = dot;
         }
       }
-    }
+    });
     for (int64_t j = 0; j < heads; ++j) softmax(scores.data() + j * len, len);
-    for (int64_t t = 0; t < len; ++t) {  // out = p V, V read the same way
-      for (int64_t hh = 0; hh < nh; ++hh) {
-        const KV* v = row(v_cache, table, t, h0 + hh);
-        if constexpr (HD > 0) {
-          fvec vv[HD / N];
-          for (int i = 0; i < HD / N; ++i) vv[i] = load(v + i * N);
-          for (int64_t g = 0; g < G; ++g) {
-            const fvec p = set(scores[(hh * G + g) * len + t]);
-            float* a = acc.data() + (hh * G + g) * HD;
-            for (int i = 0; i < HD / N; ++i) store(a + i * N, fma(p, vv[i], load(a + i * N)));
-          }
-        } else {
-          for (int64_t g = 0; g < G; ++g) {
-            const float p = scores[(hh * G + g) * len + t];
-            float* a = acc.data() + (hh * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) a[d] += p * to_float(v[d]);
-          }
+    each_row(v_cache, table, len, h0, nh, [&](int64_t t, int64_t hh, const KV* v) {  // out = p V
+      const float* p = scores.data() + hh * G * len + t;
+      if constexpr (HD > 0) {
+        fvec vv[HD / N];
+        load_head(vv, v);
+        for (int64_t g = 0; g < G; ++g) {
+          const fvec pg = set(p[g * len]);
+          float* a = acc.data() + (hh * G + g) * HD;
+          for (int i = 0; i < HD / N; ++i) store(a + i * N, fma(pg, vv[i], load(a + i * N)));
+        }
+      } else {
+        for (int64_t g = 0; g < G; ++g) {
+          float* a = acc.data() + (hh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) a[d] += p[g * len] * to_float(v[d]);
         }
       }
-    }
+    });
     Q* o = out + (r * sh.num_kv_heads * G + h0 * G) * D;
     for (int64_t i = 0; i < heads * D; ++i) o[i] = static_cast<Q>(acc[i]);
   }

@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as nn_module  # its global hook registries
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
@@ -88,13 +89,6 @@ class LlamaConfig:
         )
 
 
-def _global_hooks() -> bool:
-    """Forward hooks registered for every module (torch.nn.modules.module.register_module_forward_hook)."""
-    from torch.nn.modules import module as nn_module
-
-    return bool(nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks)
-
-
 class RMSNorm(nn.Module):
     """x / rms(x) * weight, computed in fp32 and cast back (as transformers does)."""
 
@@ -159,7 +153,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
-        if ops is not None and not (self.q_proj._forward_hooks or self.k_proj._forward_hooks or _global_hooks()):
+        if ops is not None and not (self.q_proj._forward_hooks or self.k_proj._forward_hooks):
             ops.rotary_embedding(q, k, cos, sin)  # in place, in the qkv GEMM's output: no hook holds q or k
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -234,7 +228,7 @@ class Llama(nn.Module):
 
     def _hooked(self) -> bool:
         """Does a forward hook see the residual stream: a global one, or one on the embedding or a layer."""
-        if _global_hooks():
+        if nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks:
             return True
         return any(m._forward_hooks or m._forward_pre_hooks for m in (self.embed_tokens, *self.layers))
 
