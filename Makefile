@@ -73,7 +73,7 @@ bench: setup model vllm
 validate: setup model vllm
 	$(VPY) -m radarlab.validate
 
-# The trained draft head (radarlab/spec/weights/), rebuilt from scratch on this machine's CPUs: cache
+# The trained draft head (radarlab/spec_decode/weights/), rebuilt from scratch on this machine's CPUs: cache
 # the target's features over the Python standard library, train, then measure speculative generation
 # on held-out files. The shipped head came from 3 shards (24,576 tokens; 28 min of caching) and an
 # 18-minute training run (231 steps), both on a 2-core CPU shared with other jobs (see its
@@ -81,15 +81,15 @@ validate: setup model vllm
 # (OMP_NUM_THREADS=1) ran 10x faster than two on that loaded machine. DRAFT_FEATURES holds the cache
 # (1.2 MB per 1k tokens).
 DRAFT_FEATURES ?= $(HOME)/.cache/radarlab/draft-features
-DRAFT_OUT ?= radarlab/spec/weights/smollm2-135m-eagle
+DRAFT_OUT ?= radarlab/spec_decode/weights/smollm2-135m-eagle
 DRAFT_SHARDS ?= 3
 draft: setup model
-	$(VPY) -m radarlab.spec.draft_data --out $(DRAFT_FEATURES) --max-shards $(DRAFT_SHARDS)
-	$(VPY) -m radarlab.spec.train_draft --features $(DRAFT_FEATURES) --out $(DRAFT_OUT) \
+	$(VPY) -m radarlab.train.draft_data --out $(DRAFT_FEATURES) --max-shards $(DRAFT_SHARDS)
+	$(VPY) -m radarlab.train.train_draft --features $(DRAFT_FEATURES) --out $(DRAFT_OUT) \
 		--max-shards $(DRAFT_SHARDS) --steps 100000 --time-limit 1080 --batch-rows 4 --passes 2 \
 		--vocab 4096 --intermediate-size 1024 --lr 1e-3
 	mkdir -p bench-results
-	$(VPY) -m radarlab.spec.draft_eval --head $(DRAFT_OUT) --json bench-results/draft.json \
+	$(VPY) -m radarlab.train.draft_eval --head $(DRAFT_OUT) --json bench-results/draft.json \
 		--reference $(DRAFT_FEATURES)/eval_reference.pt
 
 clean:

@@ -936,12 +936,12 @@ def check_preemption_rule(preempt) -> bool:
 
 def check_latency_metrics(latency_metrics) -> bool:
     """Check a learner's latency_metrics(arrival, token_times) -> [(ttft, mean_itl), ...] against
-    radarlab.engine.timeline.latency_metrics: TTFT from each request's own arrival, the mean gap
+    radarlab.lab.timeline.latency_metrics: TTFT from each request's own arrival, the mean gap
     between its tokens, and None as the ITL of a one-token output."""
     import math
     import random
 
-    from radarlab.engine.timeline import latency_metrics as reference
+    from radarlab.lab.timeline import latency_metrics as reference
 
     name = "latency_metrics"
     rng = random.Random(3)
@@ -1319,10 +1319,10 @@ def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
 def check_expected_tokens_per_step(expected_tokens_per_step) -> bool:
     """Check a learner's expected_tokens_per_step(a, k): the mean tokens one verify step emits (the
     accepted drafts plus the target's own token) when each draft is accepted with probability a,
-    against radarlab.spec.theory.expected_tokens_per_step."""
+    against radarlab.spec_decode.theory.expected_tokens_per_step."""
     import math
 
-    from radarlab.spec.theory import expected_tokens_per_step as reference
+    from radarlab.spec_decode.theory import expected_tokens_per_step as reference
 
     name = "expected_tokens_per_step"
     cases = [(0.5, 1), (0.8, 4), (0.0, 3), (0.6, 0), (1.0, 5), (0.95, 16), (0.3, 7)]
@@ -1364,10 +1364,10 @@ def check_verify_stochastic(verify_stochastic) -> bool:
     from max(0, p - q) renormalised and stop, and draw a bonus token from the last row if all drafts
     were accepted. Deterministic cases first, then a chi-square test of the first emitted token
     against p (6000 seeded steps; it rejects a sampler that resamples from p instead of the residual
-    with probability above 0.99 at the 1e-3 level: radarlab.spec.chi_square.chi_square_power)."""
+    with probability above 0.99 at the 1e-3 level: radarlab.lab.chi_square.chi_square_power)."""
     import torch
 
-    from radarlab.spec.chi_square import chi_square_test
+    from radarlab.lab.chi_square import chi_square_test
 
     name = "verify_stochastic"
 
@@ -1433,12 +1433,12 @@ def check_verify_stochastic(verify_stochastic) -> bool:
 
 def check_ngram_draft(ngram_draft) -> bool:
     """Check a learner's ngram_draft(token_ids, prompt_lookup_min, prompt_lookup_max, k) -> draft
-    tokens against radarlab.spec.ngram.ngram_draft (vLLM's prompt-lookup rule): the longest suffix
+    tokens against radarlab.spec_decode.ngram.ngram_draft (vLLM's prompt-lookup rule): the longest suffix
     n-gram (n from max down to min) that occurs earlier, its first (leftmost) occurrence, and the up
     to k tokens that followed it."""
     import random
 
-    from radarlab.spec.ngram import ngram_draft as reference
+    from radarlab.spec_decode.ngram import ngram_draft as reference
 
     name = "ngram_draft"
     rng = random.Random(8)
@@ -1482,8 +1482,8 @@ def check_ngram_draft(ngram_draft) -> bool:
 
 def reference_acceptance_counts(verify_log, k: int) -> tuple[list[int], float]:
     """(accepted per position, tokens per verify step) from (drafted, accepted) pairs, one per verify
-    step of one request, counted by the engine's own counters (radarlab.spec.metrics)."""
-    from radarlab.spec.metrics import SpecDecodingStats
+    step of one request, counted by the engine's own counters (radarlab.spec_decode.metrics)."""
+    from radarlab.spec_decode.metrics import SpecDecodingStats
 
     stats = SpecDecodingStats(k)
     steps = emitted = 0
@@ -1550,7 +1550,7 @@ def reference_first_costly_batch(dims, k: int, context: int, peak_flops: float, 
                                  dtype: str = "bf16", tolerance: float = 1.1, largest: int = 4096):
     """The smallest batch at which a verify step (k + 1 tokens per sequence) takes more than tolerance
     times a decode step of the same batch on the roofline, or None up to `largest`."""
-    from radarlab.hardware.roofline import decode_step
+    from radarlab.lab.roofline import decode_step
 
     for batch in range(1, largest + 1):
         plain = decode_step(dims, batch, context, dtype, dtype).time_bound_s(peak_flops, bandwidth)
@@ -1564,7 +1564,7 @@ def check_first_costly_batch(first_costly_batch) -> bool:
     """Check a learner's first_costly_batch(dims, k, context, peak_flops, bandwidth, dtype, tolerance):
     the smallest batch whose verify step (each sequence's KV read once, k + 1 tokens of FLOPs) costs
     more than tolerance x a decode step of the same batch, on the roofline; None up to batch 4096."""
-    from radarlab.hardware.roofline import LLAMA_70B, TransformerDims, decode_step
+    from radarlab.lab.roofline import LLAMA_70B, TransformerDims, decode_step
 
     name = "first_costly_batch"
     course = TransformerDims(layers=30, hidden=576, intermediate=1536, heads=9, kv_heads=3, head_dim=64,

@@ -64,8 +64,8 @@ def _build():
     radarlab namespace only once, and a failed build is not retried at every call."""
     from torch.utils import cpp_extension
 
-    from radarlab.hardware.machine import cpu_kind
-    from radarlab.models.loader import cache_dir
+    from radarlab.device import cpu_kind
+    from radarlab.util import cache_dir
 
     march = os.environ.get("RADARLAB_CPU_MARCH", "native")
     name = f"radarlab_cpu_ops_{march}_{cpu_kind()}".replace("-", "_")

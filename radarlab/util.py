@@ -7,6 +7,15 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """Where radarlab keeps what it makes once (the converted course model, built C++ operators):
+    RADARLAB_CACHE, else ~/.cache/radarlab."""
+    root = os.environ.get("RADARLAB_CACHE")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "radarlab"
 
 
 def cdiv(a, b):

@@ -7,7 +7,7 @@
 #    in its compiled mode): the same tests that run under the interpreter on CPU, now on the GPU,
 #    quantized kernels included (fp8, int4, int8 zero points, KIVI with its tails and settled-prefix
 #    rule, sinks: tests/test_quant_triton.py against the torch backend).
-# 2. `python -m radarlab.attention.kernel_bench` (check_kernels): the store-KV, decode, split-KV decode
+# 2. `python -m radarlab.lab.kernel_bench` (check_kernels): the store-KV, decode, split-KV decode
 #    and prefill kernels against their torch counterparts at course-model heads (9 query heads over 3
 #    KV heads, head_dim 64, block size 16), in bf16 and fp32, then timed with triton.testing.do_bench
 #    (L2 flushed before every run); decode also shows the bandwidth it achieves on the bytes it must
@@ -37,4 +37,4 @@ fi
 
 echo "== 2. Triton kernels vs their torch references, timed =="
 # shellcheck disable=SC2086
-"$PY" -m radarlab.attention.kernel_bench ${BENCH_ARGS:-}
+"$PY" -m radarlab.lab.kernel_bench ${BENCH_ARGS:-}

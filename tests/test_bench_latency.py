@@ -20,7 +20,7 @@ from radarlab.bench.latency import (
     LatencyBenchConfig, RequestTrace, StepTiming, format_table, littles_law, max_count, percentiles,
     poisson_arrivals, run_budget_sweep, serve, summarize, time_weighted_count,
 )
-from radarlab.bench.workload import random_token_prompts
+from radarlab.lab.workload import random_token_prompts
 from radarlab.engine import Engine, SamplingParams
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig

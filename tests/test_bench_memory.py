@@ -12,7 +12,7 @@ from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
     RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate, thrash_sweep,
 )
-from radarlab.bench.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
+from radarlab.lab.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
 SMALL = MemoryBenchConfig(WorkloadSpec(num_requests=64, seed=3, max_model_len=512, prompt_mean=60,
                                        output_mean=90), budget_tokens=4096, block_size=16)

@@ -9,7 +9,7 @@ import pytest
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.speculation import (SpecBenchConfig, fastest, format_table, goal, result_row, speedups,
                                        workload_prompts)
-from radarlab.bench.workload import copy_prompts, free_prompts, source_functions
+from radarlab.lab.workload import copy_prompts, free_prompts, source_functions
 from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
                                          VLLM_NUM_DRAFTS, SpecRun, counters_agree, spec_counters)
 
@@ -167,7 +167,7 @@ def test_tiny_run_with_vllm(tmp_path):
 
 
 def test_draft_method_is_the_trained_eagle_head_unless_a_draft_model_is_given(tmp_path):
-    from radarlab.spec.draft_head import TRAINED_HEAD
+    from radarlab.spec_decode.draft_head import TRAINED_HEAD
 
     (tmp_path / "config.json").write_text("{}")
     assert SpecBenchConfig(draft_k=3).speculative_config("draft") == \

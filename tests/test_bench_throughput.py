@@ -11,7 +11,7 @@ from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
     Measurement, dtype_notes, results_path, ThroughputConfig, format_table, goal, ratios, report,
 )
-from radarlab.bench.workload import random_token_prompts
+from radarlab.lab.workload import random_token_prompts
 
 
 def test_prompts_are_seeded_and_in_range():
@@ -160,7 +160,7 @@ def test_plot_throughput_draws_one_bar_per_system_and_batch():
 def test_limits_place_a_measurement_on_the_roofline():
     """A step of batch 2 at 10 tok/s takes 0.2 s; its bytes and FLOPs are decode_step's at the mean context."""
     from radarlab.bench.throughput import ThroughputConfig, limits
-    from radarlab.hardware.roofline import TransformerDims, decode_step
+    from radarlab.lab.roofline import TransformerDims, decode_step
 
     dims = TransformerDims(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10)
     config = ThroughputConfig(batch_sizes=(2,), dtypes=("float32",), systems=("radarlab",), max_tokens=4,
@@ -191,7 +191,7 @@ def test_the_torch_only_engine_is_a_system_of_its_own():
 def test_both_radarlab_systems_give_the_same_tokens(tiny):
     """The engine with and without its C++ operators, on the benchmark's own prompts (fp32, greedy)."""
     from radarlab.bench.throughput import time_radarlab
-    from radarlab.bench.workload import random_token_prompts
+    from radarlab.lab.workload import random_token_prompts
 
     config = ThroughputConfig(batch_sizes=(5,), max_tokens=8, min_prompt_len=4, max_prompt_len=40)
     prompts = random_token_prompts(5, tiny.config.vocab_size, (4, 40), 0)

@@ -5,7 +5,7 @@ import pytest
 
 from radarlab.checks import (check_acceptance_counts, check_first_costly_batch, reference_acceptance_counts,
                              reference_first_costly_batch)
-from radarlab.hardware.roofline import decode_step
+from radarlab.lab.roofline import decode_step
 
 
 def _stub(*args):

@@ -4,9 +4,9 @@ from __future__ import annotations
 import torch
 
 from radarlab.checks import check_expected_tokens_per_step, check_ngram_draft, check_verify_stochastic
-from radarlab.spec.ngram import ngram_draft
-from radarlab.spec.rejection import verify_stochastic
-from radarlab.spec.theory import expected_tokens_per_step
+from radarlab.spec_decode.ngram import ngram_draft
+from radarlab.sample.rejection_sampler import verify_stochastic
+from radarlab.spec_decode.theory import expected_tokens_per_step
 
 
 def _stub(*args):

@@ -19,7 +19,7 @@ import torch
 from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
-from radarlab.hardware.machine import cpu_arch, cpu_flags
+from radarlab.device import cpu_arch, cpu_flags
 from test_paged_attention import TOL, make_case, max_error
 
 pytestmark = pytest.mark.skipif(not cpu_ops_available(warn=False), reason="radarlab's C++ operators cannot be built here")

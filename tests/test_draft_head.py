@@ -12,11 +12,11 @@ import torch
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.models.generate import greedy_generate
-from radarlab.spec.draft_data import CausalBatch, target_features_batch
-from radarlab.spec.draft_eval import HeadDrafter, ngram_lookup, speculative_generate
-from radarlab.spec.draft_head import DraftHead, draft_config, load_head, save_head
-from radarlab.spec.token_table import TokenTable
-from radarlab.spec.train_draft import draft_vocabulary, train, unroll_mask, unrolled_forward
+from radarlab.train.draft_data import CausalBatch, target_features_batch
+from radarlab.train.draft_eval import HeadDrafter, ngram_lookup, speculative_generate
+from radarlab.spec_decode.draft_head import DraftHead, draft_config, load_head, save_head
+from radarlab.train.token_table import TokenTable
+from radarlab.train.train_draft import draft_vocabulary, train, unroll_mask, unrolled_forward
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "radarlab" / "spec" / "weights" / "smollm2-135m-eagle"
 
@@ -152,7 +152,7 @@ def test_speculative_generation_is_lossless(tiny, head, table, method):
 def test_committed_head_beats_copying_the_last_feature(model, tokenizer):
     """On held-out library code, the trained head predicts the target's next greedy token far more
     often than the untrained guess 'the next feature equals this one'."""
-    from radarlab.spec.draft_eval import eval_prompts
+    from radarlab.train.draft_eval import eval_prompts
 
     head, vocab = load_head(WEIGHTS, model.config)
     ids = torch.tensor(eval_prompts(tokenizer, 2, 128))
@@ -189,7 +189,7 @@ def test_replay_gives_the_counters_of_the_real_run(tiny, head, method):
 
 def test_linear_init_fits_a_linear_target(tiny):
     """If f_{t+1} is exactly a linear function of [e(x_{t+1}), f_t], the initial map recovers it."""
-    from radarlab.spec.train_draft import linear_init
+    from radarlab.train.train_draft import linear_init
 
     torch.manual_seed(7)
     h = tiny.config.hidden_size

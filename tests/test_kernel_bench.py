@@ -1,4 +1,4 @@
-"""radarlab.attention.kernel_bench: random paged batches, the bytes and FLOPs of a decode step, and the kernel check.
+"""radarlab.lab.kernel_bench: random paged batches, the bytes and FLOPs of a decode step, and the kernel check.
 
 The arithmetic is checked by hand-worked numbers and by counting the bytes of real tensors; the
 bandwidth sweep runs here on tiny shapes (under Triton's interpreter on CPU), so the code a GPU runs
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from radarlab.attention.kernel_bench import (
+from radarlab.lab.kernel_bench import (
     DecodeBandwidth, KernelCheck, check_kernels, decode_bytes, decode_flops, main, measure_decode_bandwidth,
     random_paged_batch, tolerance,
 )

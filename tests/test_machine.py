@@ -1,4 +1,4 @@
-"""radarlab.hardware.machine: CPU flags, kind and vLLM attention ISAs from /proc/cpuinfo text.
+"""radarlab.device (CPU flags and kind) and radarlab.lab.machine (vLLM attention ISAs) from /proc/cpuinfo text.
 
 The samples are trimmed /proc/cpuinfo of the three x86 kinds the course ran on (flags lines cut to
 the ones around what matters, two processors each as the real file has) and one aarch64 machine.
@@ -10,9 +10,9 @@ import json
 
 import pytest
 
-from radarlab.hardware import machine
-from radarlab.hardware.machine import (ATTENTION_ISAS, X86_FLAGS, attention_isas_supported, cpu_arch, cpu_flags,
-                                       cpu_kind, cpu_model, environment, isa_missing, parse_cpuinfo)
+from radarlab import device
+from radarlab.device import X86_FLAGS, cpu_arch, cpu_flags, cpu_kind, cpu_model, parse_cpuinfo
+from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, environment, isa_missing
 from radarlab.validate import vllm_worker
 
 
@@ -93,8 +93,8 @@ def test_arch_names():
 
 def test_without_proc_cpuinfo_torch_answers(monkeypatch):
     """Where there is no /proc/cpuinfo (macOS), torch's capability map stands in, avx512_f spelling included."""
-    monkeypatch.setattr(machine, "read_cpuinfo", lambda: None)
-    monkeypatch.setattr(machine, "_torch_capabilities",
+    monkeypatch.setattr(device, "read_cpuinfo", lambda: None)
+    monkeypatch.setattr(device, "_torch_capabilities",
                         lambda: {"avx2": True, "avx512_f": True, "avx512_bf16": False, "cpu_name": "Some CPU"})
     flags = cpu_flags()
     assert flags["avx2"] and flags["avx512f"] and not flags["avx512_bf16"] and not flags["amx_tile"]

@@ -1,11 +1,11 @@
-"""radarlab.hardware.measure: one timer and one read-bandwidth probe for every measurement."""
+"""radarlab.lab.measure: one timer and one read-bandwidth probe for every measurement."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radarlab.hardware import measure
-from radarlab.hardware.measure import (
+from radarlab.lab import measure
+from radarlab.lab.measure import (
     MachineBalance, cpu_threads, measure_decode, measure_machine, peak_bandwidth_gbps, read_bandwidth_gbps, time_ms,
 )
 

@@ -115,7 +115,7 @@ def test_bad_kivi_settings():
 
 def test_greedy_and_engine_run_kivi():
     from radarlab.engine.llm_engine import Engine
-    from radarlab.engine.params import SamplingParams
+    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
     from radarlab.models.paged_runner import paged_greedy_generate
 
@@ -135,7 +135,7 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
     """The whole engine (prefills, decodes, three requests in a batch) with KIVI read by the Triton
     kernels: the same tokens as the torch path."""
     from radarlab.engine.llm_engine import Engine
-    from radarlab.engine.params import SamplingParams
+    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)

@@ -161,7 +161,7 @@ def test_greedy_generate_runs_every_format(tiny_model, name):
 
 def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model):
     from radarlab.engine.llm_engine import Engine
-    from radarlab.engine.params import SamplingParams
+    from radarlab.sample.sampling_params import SamplingParams
 
     cfg = tiny_model.config
     per = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, "float16")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.hardware.roofline import (
+from radarlab.lab.roofline import (
     LLAMA_70B, TransformerDims, decode_step, intensity_limit, preemption_cost, prefill_flops, ridge_point,
     swap_recompute_crossover,
 )

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler, sample
-from radarlab.engine.sampler import apply_top_k_top_p
+from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
+from radarlab.sample.sampler import sample
+from radarlab.sample.sampler import apply_top_k_top_p
 from radarlab.kvcache.block_table import BlockSpaceManager
 
 

@@ -21,13 +21,13 @@ from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama
 from radarlab.models.paged_runner import paged_metadata, paged_step
-from radarlab.spec.draft_data import target_features_batch
-from radarlab.spec.draft_eval import speculative_generate
-from radarlab.spec.draft_head import DraftHead, draft_config, load_head
-from radarlab.spec.eagle import EagleProposer
-from radarlab.spec.ngram import NgramProposer
-from radarlab.spec.ngram_eagle import NgramEagleProposer
-from radarlab.spec.train_draft import train
+from radarlab.train.draft_data import target_features_batch
+from radarlab.train.draft_eval import speculative_generate
+from radarlab.spec_decode.draft_head import DraftHead, draft_config, load_head
+from radarlab.spec_decode.eagle import EagleProposer
+from radarlab.spec_decode.ngram import NgramProposer
+from radarlab.spec_decode.ngram_eagle import NgramEagleProposer
+from radarlab.train.train_draft import train
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "radarlab" / "spec" / "weights" / "smollm2-135m-eagle"
 NEW = 16
@@ -122,7 +122,7 @@ def test_engine_drafts_equal_the_reference_drafter(tiny, head_dir, workload):
 
 @pytest.mark.skipif(not (WEIGHTS / "model.safetensors").exists(), reason="no committed draft weights")
 def test_course_model_engine_equals_reference_with_the_committed_head(model, tokenizer):
-    from radarlab.spec.draft_eval import eval_prompts
+    from radarlab.train.draft_eval import eval_prompts
 
     prompts = eval_prompts(tokenizer, 2, 96)
     head, vocab = load_head(WEIGHTS, model.config)
@@ -219,7 +219,7 @@ def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
         EagleProposer(head, tiny, None, -1, 16, 4)
 
 
-# --- method "ngram_eagle" (radarlab.spec.ngram_eagle): the n-gram's drafts first, the head's elsewhere ---
+# --- method "ngram_eagle" (radarlab.spec_decode.ngram_eagle): the n-gram's drafts first, the head's elsewhere ---
 
 @pytest.fixture(scope="module")
 def lookup_workload(tiny):

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from radarlab.engine import Engine, RequestStatus, SamplingParams
-from radarlab.engine.timeline import DECODE, PREFILL, VERIFY, output_token_ids, run_recorded
+from radarlab.lab.timeline import DECODE, PREFILL, VERIFY, output_token_ids, run_recorded
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama
-from radarlab.spec.draft_model import truncated_copy
+from radarlab.spec_decode.draft_model import truncated_copy
 
 NEW = 12
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from radarlab.spec.ngram import NgramProposer, ngram_draft
+from radarlab.spec_decode.ngram import NgramProposer, ngram_draft
 from radarlab.validate.vllm import vllm_python
 
 

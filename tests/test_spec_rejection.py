@@ -1,4 +1,4 @@
-"""The rejection sampler (radarlab.spec.rejection): greedy and stochastic verification, the shared
+"""The rejection sampler (radarlab.sample.rejection_sampler): greedy and stochastic verification, the shared
 probability function, bad input, and a chi-square proof that speculative sampling is lossless, with
 the same test shown to catch two biased samplers."""
 from __future__ import annotations
@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.engine.params import SamplingParams
+from radarlab.sample.sampling_params import SamplingParams
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.paged_runner import paged_step
-from radarlab.spec.draft_model import truncated_copy
-from radarlab.engine.sampler import probabilities, sample
-from radarlab.spec.chi_square import chi_square_power, chi_square_sf, chi_square_test, critical_value
-from radarlab.spec.rejection import rejection_sample, verify_greedy, verify_stochastic
+from radarlab.spec_decode.draft_model import truncated_copy
+from radarlab.sample.sampler import probabilities, sample
+from radarlab.lab.chi_square import chi_square_power, chi_square_sf, chi_square_test, critical_value
+from radarlab.sample.rejection_sampler import rejection_sample, verify_greedy, verify_stochastic
 
 ALPHA = 1e-3  # reject "the sampler draws from p" when the p-value is below this
 

@@ -1,11 +1,11 @@
-"""Speculation's expected gain (radarlab.spec.theory) against closed forms and a simulation."""
+"""Speculation's expected gain (radarlab.spec_decode.theory) against closed forms and a simulation."""
 from __future__ import annotations
 
 import random
 
 import pytest
 
-from radarlab.spec.theory import best_k, expected_tokens_per_step, speedup
+from radarlab.spec_decode.theory import best_k, expected_tokens_per_step, speedup
 
 
 def simulate(a, k, n=40000, seed=0):

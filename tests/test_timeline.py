@@ -1,4 +1,4 @@
-"""Engine timelines (radarlab.engine.timeline) and their plot (radarlab.viz.timeline_plot), on a tiny model."""
+"""Engine timelines (radarlab.lab.timeline) and their plot (radarlab.viz.timeline_plot), on a tiny model."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,7 @@ import pytest
 matplotlib.use("Agg")
 
 from radarlab.engine import Engine, SamplingParams  # noqa: E402
-from radarlab.engine.timeline import (  # noqa: E402
+from radarlab.lab.timeline import (  # noqa: E402
     DECODE, DONE, PREFILL, RECOMPUTE, WAITING, latency_metrics, max_running, output_token_ids, record_step,
     run_recorded, slot_utilisation, state_grid, token_steps, token_times)
 

@@ -13,7 +13,7 @@ NEW_TOKENS = 16
 def fp8_rows(model, prompts):
     """One vLLM run per FP8 dtype (three processes), rows keyed by (dtype, kind). vLLM 0.32's CPU
     backend takes an FP8 KV cache only with AVX-512 or AMX: an AVX2-only CPU skips, naming the flag."""
-    from radarlab.hardware.machine import cpu_flags, cpu_kind
+    from radarlab.device import cpu_flags, cpu_kind
 
     flags = cpu_flags()
     if not (flags.get("avx512f") or flags.get("amx_tile")):

@@ -15,7 +15,8 @@ import types
 import pytest
 import torch
 
-from radarlab.hardware.machine import ATTENTION_ISAS, attention_isas_supported, cpu_flags, cpu_kind, isa_missing
+from radarlab.device import cpu_flags, cpu_kind
+from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, isa_missing
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.validate import vllm_worker
 from radarlab.validate.vllm_paged import (

@@ -403,7 +403,7 @@ def config_from_args(args: argparse.Namespace) -> QuantBenchConfig:
 
 def main(args: argparse.Namespace) -> int:
     from radarlab.bench.report import write_json
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
 
     config = config_from_args(args)
     doc = run(config)

@@ -42,7 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from radarlab.bench.workload import random_token_prompts
+from radarlab.lab.workload import random_token_prompts
 from radarlab.util import cdiv, require_int, require_number
 
 # The CPU sweep, sized on a shared 2-core machine with one torch thread, where the engine completes at
@@ -117,7 +117,7 @@ class RequestTrace:
 @dataclass(frozen=True)
 class StepTiming:
     """When one engine step ran and how big its batch was (from engine.last_scheduled); what each
-    request did in a step is radarlab.engine.timeline's StepRecord."""
+    request did in a step is radarlab.lab.timeline's StepRecord."""
     start: float
     end: float
     num_running: int  # requests in the batch (prefill chunks and decodes)
@@ -428,7 +428,7 @@ def report(config: LatencyBenchConfig, results: list[dict], budget_sweep: list[d
 
     import torch
 
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
 
     params = {
         "rates_req_s": list(config.rates),

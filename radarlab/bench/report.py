@@ -1,4 +1,4 @@
-"""How every benchmark's JSON is written, and the comma-separated list flags they share. Where it ran (environment()) lives in radarlab.hardware.machine."""
+"""How every benchmark's JSON is written, and the comma-separated list flags they share. Where it ran (environment()) lives in radarlab.lab.machine."""
 from __future__ import annotations
 
 import json

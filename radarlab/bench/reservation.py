@@ -2,7 +2,7 @@
 (contiguous) caches vs the paged cache, and what the engine computes to get there.
 
 Every cache gets the same KV budget (in token positions) and serves the same workload
-(radarlab.bench.workload) through radarlab's own Scheduler and block manager: the loop that runs the
+(radarlab.lab.workload) through radarlab's own Scheduler and block manager: the loop that runs the
 engine, stepped without a model. They differ only in what a request reserves. The three
 reservation-based caches are the baselines of the vLLM paper's Fig. 2 and 12 (Kwon et al. 2023,
 after Orca): a request reserves one contiguous run of positions at admission and keeps it to the end,
@@ -40,9 +40,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from radarlab.bench.workload import WorkloadRequest, WorkloadSpec, length_summary, make_workload
+from radarlab.lab.workload import WorkloadRequest, WorkloadSpec, length_summary, make_workload
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.engine.params import SamplingParams
+from radarlab.sample.sampling_params import SamplingParams
 from radarlab.engine.scheduler import Scheduler
 from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager, BlockTable
 from radarlab.kvcache.blocks import NoFreeBlocks
@@ -357,7 +357,7 @@ def run(config: MemoryBenchConfig = MemoryBenchConfig()) -> dict[str, SimResult]
 
 def report(config: MemoryBenchConfig, results: dict[str, SimResult]) -> dict:
     """The JSON document: parameters, workload statistics, environment, results and the goal."""
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
     from radarlab.kvcache.memory import kv_bytes_per_token
 
     requests = make_workload(config.workload)

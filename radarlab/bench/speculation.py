@@ -4,12 +4,12 @@ Each system decodes the same prompts, fp32, greedy, EOS ignored, max_tokens new 
 requests submitted at once, prefix caching off, with three methods:
 - none: plain decoding;
 - ngram: prompt lookup, vLLM's method and names (k = 5, prompt_lookup_min 2, prompt_lookup_max 4);
-- draft: the EAGLE-style head trained here (radarlab.spec.draft_head.TRAINED_HEAD, k = 4), method
+- draft: the EAGLE-style head trained here (radarlab.spec_decode.draft_head.TRAINED_HEAD, k = 4), method
   "eagle" in both systems. Ours ranks the head's draft vocabulary (4,096 tokens); vLLM's EAGLE-1
   loader does not read it and ranks all 49,152. With --draft-model, vLLM's draft_model method with
   that Llama as the draft instead (the course model itself accepts nearly everything but costs as
   much as the target: an upper bound on acceptance and a lower bound on speed).
-Two workloads (radarlab.bench.workload): copy (repeat a standard-library function given in the
+Two workloads (radarlab.lab.workload): copy (repeat a standard-library function given in the
 prompt, where prompt lookup finds the continuation) and free (chat prompts with nothing to copy).
 Batch size B takes the first B prompts of a workload.
 
@@ -76,7 +76,7 @@ class SpecBenchConfig:
             return {"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
                     "prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
         if method == "draft" and self.draft_model is None:
-            from radarlab.spec.draft_head import TRAINED_HEAD
+            from radarlab.spec_decode.draft_head import TRAINED_HEAD
 
             return {"method": "eagle", "num_speculative_tokens": self.draft_k, "model": str(TRAINED_HEAD)}
         if method == "draft":
@@ -89,7 +89,7 @@ class SpecBenchConfig:
 
 def workload_prompts(tokenizer, workload: str, num_prompts: int, seed: int) -> list[list[int]]:
     """Token ids of a workload's first num_prompts prompts; free prompts go through the chat template."""
-    from radarlab.bench.workload import copy_prompts, free_prompts
+    from radarlab.lab.workload import copy_prompts, free_prompts
 
     if workload == "copy":
         return [tokenizer(p)["input_ids"] for p in copy_prompts(num_prompts, seed)]
@@ -191,14 +191,14 @@ def goal(ups: list[dict]) -> dict:
 def report(config: SpecBenchConfig, results: list[dict], info: dict) -> dict:
     import torch
 
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
 
     env = environment()
     env["torch_threads"] = torch.get_num_threads()
     env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
     params = asdict(config)
     params["draft"] = (f"draft_model with {config.draft_model} as the draft" if config.draft_model else
-                       "eagle: the trained head (radarlab.spec.draft_head.TRAINED_HEAD); radarlab ranks its "
+                       "eagle: the trained head (radarlab.spec_decode.draft_head.TRAINED_HEAD); radarlab ranks its "
                        "draft vocabulary, vLLM the full vocabulary")
     ups = speedups(results)
     return {"benchmark": "spec", "parameters": params, "environment": env, "results": results,

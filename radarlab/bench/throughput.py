@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from radarlab.bench.report import comma_ints, comma_names
-from radarlab.bench.workload import random_token_prompts
-from radarlab.hardware.roofline import TransformerDims, decode_step
+from radarlab.lab.workload import random_token_prompts
+from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
@@ -40,7 +40,7 @@ GOAL = "radarlab >= 1.0x transformers and >= 1.0x vLLM at every batch size, in e
 
 
 def results_path(kind: str) -> Path:
-    """The kept full run for one CPU kind (radarlab.hardware.machine.cpu_kind): results/throughput-KIND.json.
+    """The kept full run for one CPU kind (radarlab.device.cpu_kind): results/throughput-KIND.json.
     One file per kind, since the ratios depend on the instructions the CPU has (bf16 above all)."""
     if not kind or not kind.replace("_", "").isalnum():
         raise ValueError(f"kind must be a CPU kind such as 'avx2' or 'avx512_bf16', got {kind!r}")
@@ -282,7 +282,7 @@ def limits(config: ThroughputConfig, measurements: list[Measurement], dims: Tran
            bandwidth: float) -> list[dict]:
     """How close each measurement comes to this machine's roofline (notebook 01).
 
-    A decode step of batch B reads the weights once and every sequence's KV (hardware.roofline); its
+    A decode step of batch B reads the weights once and every sequence's KV (lab.roofline); its
     time is taken as B / tokens_per_s, at the mean context of the decode phase (the mean prompt length,
     (min + max) / 2 for these uniform lengths, plus half the new tokens). The wall time includes the
     prefill, so both fractions are lower bounds. bandwidth_fraction compares bytes per step over step
@@ -302,9 +302,9 @@ def limits(config: ThroughputConfig, measurements: list[Measurement], dims: Tran
 
 
 def report(config: ThroughputConfig, measurements: list[Measurement], info: dict, balance=None) -> dict:
-    """The JSON document; with balance (hardware.measure.MachineBalance, measured in the same run) and
+    """The JSON document; with balance (lab.measure.MachineBalance, measured in the same run) and
     the model's dims in info, also each measurement's place on this machine's roofline."""
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
 
     import torch
 
@@ -434,7 +434,7 @@ def main(args: argparse.Namespace) -> int:
     measurements, info = run(config)
     import torch
 
-    from radarlab.hardware.measure import measure_machine
+    from radarlab.lab.measure import measure_machine
 
     doc = report(config, measurements, info, measure_machine(threads=torch.get_num_threads()))
     # On shared cores other work competes with each system in turn: the ratios of one run are the figure.

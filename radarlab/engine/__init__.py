@@ -1,25 +1,13 @@
-"""A small serving engine: requests, sampling, an FCFS continuous-batching scheduler over the paged
-KV cache (chunked prefill, preemption by recompute, prefix caching), and the Engine that drives it.
+"""A small serving engine: requests, an FCFS continuous-batching scheduler over the paged KV cache
+(chunked prefill, preemption by recompute, prefix caching), and the Engine that drives it.
 
-Named after vLLM's pieces (vllm/sampling_params.py, vllm/v1/request.py, vllm/v1/core/sched/scheduler.py,
-vllm/v1/engine/llm_engine.py); notebook 05 builds on it.
-
-Engine and RequestOutput load on first use: the engine imports radarlab.spec (the rejection sampler,
-the proposers), which imports this package's sampler, so loading llm_engine here would make
-`import radarlab.spec.rejection` circular.
+Named after vLLM's pieces (vllm/v1/request.py, vllm/v1/core/sched/scheduler.py,
+vllm/v1/engine/llm_engine.py); notebook 05 builds on it. SamplingParams lives in radarlab.sample
+(it is what the sampler reads) and is offered here too, as `from vllm import LLM, SamplingParams`.
 """
-from radarlab.engine.params import SamplingParams
+from radarlab.engine.llm_engine import Engine, RequestOutput
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.engine.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
+from radarlab.sample.sampling_params import SamplingParams
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "Request", "RequestStatus", "sample", "Scheduler",
-           "SchedulerOutput"]
-
-
-def __getattr__(name: str):
-    if name in ("Engine", "RequestOutput"):
-        from radarlab.engine import llm_engine
-
-        return getattr(llm_engine, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "Request", "RequestStatus", "Scheduler", "SchedulerOutput"]

@@ -6,9 +6,9 @@ requests whose prompt (or recompute) is complete, and finishes those that hit a 
 It plays vLLM's LLMEngine / EngineCore (vllm/v1/engine/); generate and stream are the LLM.generate
 and streaming entry points.
 
-With speculative_config (radarlab.spec.speculative_config: vLLM's keys), each step first asks the proposer for
+With speculative_config (radarlab.spec_decode.speculative_config: vLLM's keys), each step first asks the proposer for
 drafts for the decoding requests and appends them to their tokens; the step's forward pass then
-verifies them (logits at the last token and at every draft), radarlab.spec.rejection decides how
+verifies them (logits at the last token and at every draft), radarlab.sample.rejection_sampler decides how
 many are accepted, and the scheduler rolls back the rest. spec_stats counts drafts and acceptances.
 A proposer with an `observe` method (EAGLE) also gets the target's features of every computed token.
 """
@@ -20,17 +20,17 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from radarlab.engine.params import SamplingParams
+from radarlab.sample.sampling_params import SamplingParams
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.engine.sampler import sample
+from radarlab.sample.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
-from radarlab.spec.speculative_config import make_proposer
-from radarlab.spec.metrics import SpecDecodingStats
-from radarlab.spec.rejection import rejection_sample
+from radarlab.spec_decode.speculative_config import make_proposer
+from radarlab.spec_decode.metrics import SpecDecodingStats
+from radarlab.sample.rejection_sampler import rejection_sample
 from radarlab.util import require_int
 
 
@@ -60,7 +60,7 @@ class Engine:
                  speculative_config: dict | None = None, cpu_ops: bool | None = None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
-        speculative_config takes vLLM's keys (radarlab.spec.speculative_config). cpu_ops: whether the
+        speculative_config takes vLLM's keys (radarlab.spec_decode.speculative_config). cpu_ops: whether the
         KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
         they can be built; the model's own are Llama.use_cpu_ops)."""
         cfg = model.config

@@ -6,7 +6,7 @@ from typing import Hashable
 
 import torch
 
-from radarlab.engine.params import SamplingParams
+from radarlab.sample.sampling_params import SamplingParams
 from radarlab.kvcache.sequence import Sequence
 
 

@@ -8,7 +8,7 @@ allocate_slots); when a running request needs a block and none is free, the newe
 is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (prompt + outputs so far) later.
 
-Speculative decoding (radarlab.spec): a decoding request may carry drafts at the tail of its tokens.
+Speculative decoding (radarlab.spec_decode): a decoding request may carry drafts at the tail of its tokens.
 They are scheduled with its last token, so they count in the token budget and get slots like any
 token (vLLM's lookahead slots); drafts that do not fit the budget, or belong to a request that is
 preempted or not scheduled, are rolled back before the step runs.

@@ -2,7 +2,6 @@
 from radarlab.models.loader import (
     COURSE_MODEL,
     ModelNotAvailable,
-    cache_dir,
     course_model_dir,
     load_hf,
     resolve_model,
@@ -11,7 +10,6 @@ from radarlab.models.loader import (
 __all__ = [
     "COURSE_MODEL",
     "ModelNotAvailable",
-    "cache_dir",
     "course_model_dir",
     "load_hf",
     "resolve_model",

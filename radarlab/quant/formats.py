@@ -27,7 +27,7 @@ Options follow the base name, separated by underscores, in any order:
 
 So `int4_g64_asym_hadamard` is INT4 in groups of 64 with fp16 scales and zero points, on rotated keys.
 `kv_format(name)` parses a name (or passes a KVFormat through) and raises ValueError naming the valid
-bases and options. Everything that counts KV bytes (kvcache.memory, hardware.roofline, the notebook
+bases and options. Everything that counts KV bytes (kvcache.memory, lab.roofline, the notebook
 widget, the paged cache) reads it here.
 """
 from __future__ import annotations

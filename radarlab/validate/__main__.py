@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = sum(not r.passed for r in rows)
     print(f"{len(rows) - failed} passed, {failed} failed  ({time.perf_counter() - start:.0f} s)")
     if args.json:
-        from radarlab.hardware.machine import environment
+        from radarlab.lab.machine import environment
 
         # The machine with the rows: which vLLM kernels ran (rows' details) depends on its CPU.
         with open(args.json, "w") as f:

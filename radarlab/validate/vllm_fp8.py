@@ -48,7 +48,7 @@ def run_vllm_fp8(prompts, vllm_dtype: str, max_new_tokens: int = NEW_TOKENS, k: 
 
 def bytes_row(model, vllm_dtype: str, response: dict) -> Row:
     """vLLM's allocated cache bytes per token (blocks x bytes per block / tokens) against the calculator."""
-    from radarlab.hardware.machine import cpu_kind
+    from radarlab.device import cpu_kind
     from radarlab.kvcache.memory import kv_bytes_per_token
 
     cfg = model.config

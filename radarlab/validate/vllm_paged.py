@@ -8,7 +8,7 @@ Three comparisons, all at a block size vLLM's CPU build accepts:
    chunked prefill; GQA 9/3 x 64 like the course model; random block tables; lengths 1, below,
    at and past a block. First with the kernel vLLM picks itself ("auto", as its engine does), then
    with every kernel ("ISA": vec, vec16, amx) this CPU can run, asked for by name, since which one
-   vLLM picks depends on the CPU (radarlab.hardware.machine).
+   vLLM picks depends on the CPU (radarlab.lab.machine).
 2. The course model on PagedKVCache + BlockSpaceManager, greedy, against vLLM's engine with the same
    block size, by vLLM's own rule (compare.py).
 3. Prefix caching on a shared-prefix workload sent in two batches: per request, the prompt tokens each
@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.hardware.machine import ATTENTION_ISAS, attention_isas_supported, cpu_kind
+from radarlab.device import cpu_kind
+from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
 from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.paged_cache import PagedKVCache
@@ -316,7 +317,7 @@ class PagedSession:
 
     @property
     def cpu_kind(self) -> str:
-        """The CPU's kind: "avx2", "avx512", "avx512_bf16" or "avx512_bf16_amx" (machine.cpu_kind)."""
+        """The CPU's kind: "avx2", "avx512", "avx512_bf16" or "avx512_bf16_amx" (radarlab.device.cpu_kind)."""
         return cpu_kind(self.cpu["flags"], self.cpu["arch"])
 
 

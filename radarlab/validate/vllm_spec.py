@@ -9,7 +9,7 @@ In fp32, greedy, with the same tokens, the n-gram proposer is a pure function of
 so drafts, accepted tokens and accepted tokens per position agree wherever the output tokens agree,
 except at each request's end (counters_agree says how). A draft model (here the course model
 drafting for itself) agrees as far as the two engines' fp32 logits agree. So does EAGLE: vLLM's
-proposer (vllm/v1/spec_decode/eagle.py) feeds the head the same inputs as radarlab.spec.eagle, token
+proposer (vllm/v1/spec_decode/eagle.py) feeds the head the same inputs as radarlab.spec_decode.eagle, token
 i+1 with the target's feature at i for every position the target kept, then its own outputs.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ DRAFT_K = 4
 @dataclass
 class SpecRun:
     """One generate() call of one system: its outputs, wall time and speculative counters
-    (vLLM's names, radarlab.spec.metrics); the counters are zero without speculation."""
+    (vLLM's names, radarlab.spec_decode.metrics); the counters are zero without speculation."""
 
     outputs: list[list[int]]
     seconds: float
@@ -163,7 +163,7 @@ VALIDATE_MAX_TOKENS = 128
 
 def validation_prompts(tokenizer) -> dict[str, list[list[int]]]:
     """The code-copy prompt alone (batch 1) and a mixed batch of two copy and two free prompts."""
-    from radarlab.bench.workload import copy_prompts, free_prompts
+    from radarlab.lab.workload import copy_prompts, free_prompts
 
     copy = [tokenizer(p)["input_ids"] for p in copy_prompts(3, seed=0)]
     free = [tokenizer(p)["input_ids"] for p in free_prompts(2, seed=0)]
@@ -176,7 +176,7 @@ def rows(model, tokenizer, max_tokens: int = VALIDATE_MAX_TOKENS) -> list[Row]:
     position. vLLM's EAGLE-1 head ranks the whole vocabulary (it does not read draft_vocab.json), so
     ours does too here."""
     from radarlab.models.loader import resolve_model
-    from radarlab.spec.draft_head import TRAINED_HEAD, load_head
+    from radarlab.spec_decode.draft_head import TRAINED_HEAD, load_head
 
     prompt_sets = validation_prompts(tokenizer)
     names, sets = list(prompt_sets), list(prompt_sets.values())

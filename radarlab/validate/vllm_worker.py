@@ -145,7 +145,7 @@ CPU_MAX_MODEL_LEN = 2048  # what was seen working with the CPU build
 CPU_KV_CACHE_BYTES = 1 << 30
 
 # vLLM's CPU attention kernels and what each needs (the table in the docstring). radarlab keeps the
-# same rules in radarlab/hardware/machine.py, but this script runs in vLLM's environment and cannot
+# same rules in radarlab/lab/machine.py, but this script runs in vLLM's environment and cannot
 # import radarlab; tests/test_machine.py checks that the two copies agree.
 _ALL_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_ISAS = {
@@ -213,7 +213,7 @@ def _normalize_attention_op(request: dict) -> dict:
     return req
 
 
-# --- the CPU: a minimal copy of radarlab.hardware.machine's reader (radarlab is not importable here) ---
+# --- the CPU: a minimal copy of radarlab.lab.machine's reader (radarlab is not importable here) ---
 def _parse_cpu_flags(text: str) -> dict:
     """CPU_FLAGS -> bool from /proc/cpuinfo text: the first "flags" (x86) or "Features" line."""
     for line in text.splitlines():

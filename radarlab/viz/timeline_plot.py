@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from radarlab.engine.timeline import DECODE, DONE, PREFILL, RECOMPUTE, STATES, VERIFY, WAITING, StepRecord, state_grid
+from radarlab.lab.timeline import DECODE, DONE, PREFILL, RECOMPUTE, STATES, VERIFY, WAITING, StepRecord, state_grid
 
 STATE_COLORS = {WAITING: "#d9d9d9", PREFILL: "tab:orange", RECOMPUTE: "tab:red", DECODE: "tab:blue",
                 VERIFY: "tab:green", DONE: "white"}
@@ -13,7 +13,7 @@ STATE_LABELS = {WAITING: "waiting", PREFILL: "prefill (chunk)", RECOMPUTE: "reco
 
 def draw_timeline(ax, records: Sequence[StepRecord], request_ids: Sequence[Hashable], *, labels=None,
                   annotate: bool = False, legend: bool = True, title: str | None = None):
-    """Draw records on ax: cells coloured by state (radarlab.engine.timeline.state_grid), a black x
+    """Draw records on ax: cells coloured by state (radarlab.lab.timeline.state_grid), a black x
     where a request was preempted. annotate writes each prefill or recompute chunk's token count in
     its cell. labels name the rows (default: the request ids). Returns ax."""
     import numpy as np

@@ -1,13 +1,13 @@
 """Measure a draft where it is used: greedy speculative generation with the target verifying
-(python -m radarlab.spec.draft_eval --head DIR --json PATH).
+(python -m radarlab.train.draft_eval --head DIR --json PATH).
 
-Prompts are held-out standard-library files (radarlab.spec.draft_data's split). For each k, every
+Prompts are held-out standard-library files (radarlab.train.draft_data's split). For each k, every
 prompt is generated with real speculative decoding, all prompts packed in one batch:
 
 1. the proposer drafts up to k tokens. A method is a chain of sources tried in order, the first with
    a guess drafting: "draft" (the head: catch up on the positions the target verified last step,
    with the target's true features, then k - 1 steps on its own features), "ngram" (prompt lookup),
-   "table" (radarlab.spec.token_table); e.g. "ngram+draft";
+   "table" (radarlab.train.token_table); e.g. "ngram+draft";
 2. the target runs once over [last token, drafts] on its contiguous cache;
 3. the longest prefix of drafts equal to the target's greedy tokens is accepted, plus the target's
    own next token (the bonus); rejected positions are overwritten by the next step.
@@ -32,11 +32,11 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.spec.draft_data import split_files, target_features_batch, token_chunks
+from radarlab.train.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.models.llama import final_features
-from radarlab.spec.draft_head import DraftHead, draft_chain, load_head
-from radarlab.spec.ngram import ngram_draft
-from radarlab.spec.token_table import TokenTable
+from radarlab.spec_decode.draft_head import DraftHead, draft_chain, load_head
+from radarlab.spec_decode.ngram import ngram_draft
+from radarlab.train.token_table import TokenTable
 from radarlab.util import require_int
 
 NGRAM_MIN, NGRAM_MAX = 2, 4  # prompt_lookup_min and prompt_lookup_max of the n-gram source
@@ -66,7 +66,7 @@ def eval_prompts(tokenizer, num_prompts: int = 16, prompt_len: int = 256) -> lis
 
 
 def ngram_lookup(tokens: list[int], k: int) -> list[int]:
-    """The n-gram source of the evaluator: prompt lookup (radarlab.spec.ngram) with n from 4 down to 2."""
+    """The n-gram source of the evaluator: prompt lookup (radarlab.spec_decode.ngram) with n from 4 down to 2."""
     return ngram_draft(tokens, NGRAM_MIN, NGRAM_MAX, k)
 
 
@@ -293,11 +293,11 @@ def vllm_comparison(target, prompts, reference, head_dir, head, k: int, max_new_
 
 
 def main(argv=None) -> None:
-    from radarlab.hardware.machine import environment
+    from radarlab.lab.machine import environment
     from radarlab.models.llama import Llama
 
     ap = argparse.ArgumentParser(description="Greedy speculative generation with the draft head on held-out prompts")
-    ap.add_argument("--head", default=None, help="directory written by radarlab.spec.train_draft")
+    ap.add_argument("--head", default=None, help="directory written by radarlab.train.train_draft")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--ks", default="1,2,3,4,5,6")
     ap.add_argument("--methods", default=",".join(METHODS))

@@ -11,7 +11,7 @@ random_paged_batch builds inputs the way the tests do: each sequence's K/V scatt
 shuffled block table into a pool whose unused slots hold NaN, so a kernel that reads a slot it should
 not returns NaN instead of a plausible number.
 
-Timing is radarlab.hardware.measure's time_ms (do_bench on CUDA). `python -m radarlab.attention.kernel_bench`
+Timing is radarlab.lab.measure's time_ms (do_bench on CUDA). `python -m radarlab.lab.kernel_bench`
 runs check_kernels and prints its table; scripts/gpu_check.sh calls it on a GPU.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_decode_torch
-from radarlab.hardware.measure import gbps, time_ms
+from radarlab.lab.measure import gbps, time_ms
 from radarlab.util import cdiv, require_int, require_power_of_two
 
 
@@ -400,7 +400,7 @@ def format_kernel_checks(rows: Sequence[KernelCheck]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m radarlab.attention.kernel_bench`: check_kernels, printed. Exit status 1 if any kernel disagrees."""
+    """`python -m radarlab.lab.kernel_bench`: check_kernels, printed. Exit status 1 if any kernel disagrees."""
     import argparse
     import inspect
 
@@ -421,7 +421,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return getattr(torch, text)
 
     default = {k: p.default for k, p in inspect.signature(check_kernels).parameters.items()}
-    parser = argparse.ArgumentParser(prog="python -m radarlab.attention.kernel_bench", description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="python -m radarlab.lab.kernel_bench", description=main.__doc__)
     # Every option defaults to check_kernels' own default (None here means "not given").
     for flag, kind, what in [("shapes", shapes, "BATCHxCONTEXT,..."), ("dtypes", lambda t: [dtype(x) for x in names(t)],
                              "comma-separated torch dtypes"), ("kernels", names, f"some of {','.join(KERNELS)}"),

@@ -1,7 +1,7 @@
 """Turn one logits row per request into one token: greedy, temperature, top-k, top-p.
 
 `probabilities` is the one place where temperature, top-k and top-p turn logits into a
-distribution: sampling uses it, and speculative verification (radarlab.spec.rejection) uses it for
+distribution: sampling uses it, and speculative verification (radarlab.sample.rejection_sampler) uses it for
 both the target's p and the draft's q, so the two are always truncated the same way.
 
 Each row is sampled on its own with its request's generator, so a seeded request draws the same
@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from radarlab.engine.params import SamplingParams
+from radarlab.sample.sampling_params import SamplingParams
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from radarlab.spec.proposer import Proposal
+from radarlab.spec_decode.proposer import Proposal
 from radarlab.util import require_int
 
 
@@ -58,7 +58,7 @@ class NgramProposer:
         self.max_model_len = None if max_model_len is None else require_int("max_model_len", max_model_len)
 
     def propose(self, requests, num_tokens: Sequence[int]) -> list:
-        """One Proposal per request (radarlab.spec.proposer): up to num_tokens[i] drafts, no probabilities."""
+        """One Proposal per request (radarlab.spec_decode.proposer): up to num_tokens[i] drafts, no probabilities."""
         return [Proposal(ngram_draft(r.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k,
                                      self.max_model_len))
                 for r, k in zip(requests, num_tokens)]

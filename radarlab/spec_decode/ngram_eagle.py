@@ -20,9 +20,9 @@ from typing import Hashable, Sequence
 
 import torch
 
-from radarlab.spec.eagle import EagleProposer
-from radarlab.spec.ngram import NgramProposer
-from radarlab.spec.proposer import Proposal
+from radarlab.spec_decode.eagle import EagleProposer
+from radarlab.spec_decode.ngram import NgramProposer
+from radarlab.spec_decode.proposer import Proposal
 
 
 class NgramEagleProposer:
@@ -49,7 +49,7 @@ class NgramEagleProposer:
         return proposals
 
     def observe(self, request, start: int, features: torch.Tensor) -> None:
-        """Every step's features go to the head, whoever drafted (radarlab.spec.proposer)."""
+        """Every step's features go to the head, whoever drafted (radarlab.spec_decode.proposer)."""
         self.eagle.observe(request, start, features)
 
     def free(self, request_id: Hashable) -> None:

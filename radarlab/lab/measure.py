@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from radarlab.hardware.roofline import ridge_point
+from radarlab.lab.roofline import ridge_point
 from radarlab.util import require_int
 
 

@@ -2,9 +2,9 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
     {"method": "draft_model", "num_speculative_tokens": 4, "model": draft}   # a model, or a path / HF id
-    {"method": "eagle", "num_speculative_tokens": 4, "model": head_dir}     # radarlab.spec.eagle
+    {"method": "eagle", "num_speculative_tokens": 4, "model": head_dir}     # radarlab.spec_decode.eagle
     {"method": "ngram_eagle", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
-     "prompt_lookup_max": 4, "model": head_dir}                             # radarlab.spec.ngram_eagle
+     "prompt_lookup_max": 4, "model": head_dir}                             # radarlab.spec_decode.ngram_eagle
 
 For "eagle", model is a directory save_head wrote (its draft vocabulary comes along), a DraftHead
 (ranking the whole vocabulary), or a (DraftHead, draft vocabulary) pair.
@@ -21,11 +21,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Mapping
 
-from radarlab.spec.draft_head import DraftHead, load_head
-from radarlab.spec.draft_model import DraftModelProposer
-from radarlab.spec.eagle import EagleProposer
-from radarlab.spec.ngram import NgramProposer
-from radarlab.spec.ngram_eagle import NgramEagleProposer
+from radarlab.spec_decode.draft_head import DraftHead, load_head
+from radarlab.spec_decode.draft_model import DraftModelProposer
+from radarlab.spec_decode.eagle import EagleProposer
+from radarlab.spec_decode.ngram import NgramProposer
+from radarlab.spec_decode.ngram_eagle import NgramEagleProposer
 from radarlab.util import require_int
 
 SPECULATIVE_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")

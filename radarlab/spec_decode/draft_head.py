@@ -12,7 +12,7 @@ checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden la
 embedding and LM head shared with the target when the checkpoint has none.
 
 draft_chain is the drafting loop (catch up on true features, then k steps on the head's own), shared
-by the evaluator's contiguous cache (draft_eval) and the engine's paged one (radarlab.spec.eagle).
+by the evaluator's contiguous cache (draft_eval) and the engine's paged one (radarlab.spec_decode.eagle).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The trained EAGLE-style draft head as the engine's proposer (vLLM's method "eagle").
 
-The head (radarlab.spec.draft_head) reads the target's features, which only the target's forward
+The head (radarlab.spec_decode.draft_head) reads the target's features, which only the target's forward
 pass has. So the engine runs paged_step with return_features=True and, after each step, hands the
 proposer the features of the positions the step computed (`observe`): a prefill's every position,
 or a verify step's last token and drafts, of which only the accepted ones are kept (those below the
@@ -23,11 +23,11 @@ from typing import Hashable, Sequence as SequenceType
 
 import torch
 
-from radarlab.engine.sampler import probabilities
+from radarlab.sample.sampler import probabilities
 from radarlab.models.paged_runner import paged_metadata
-from radarlab.spec.draft_head import DraftHead, draft_chain
-from radarlab.spec.draft_model import DraftModelProposer
-from radarlab.spec.proposer import Proposal
+from radarlab.spec_decode.draft_head import DraftHead, draft_chain
+from radarlab.spec_decode.draft_model import DraftModelProposer
+from radarlab.spec_decode.proposer import Proposal
 
 
 class EagleProposer(DraftModelProposer):

@@ -118,7 +118,7 @@ def load_shards(out_dir: str | Path, limit: int | None = None) -> dict[str, torc
     """Concatenate the cached shards (the first `limit` of them, if given)."""
     paths = sorted(Path(out_dir).glob("shard_*.pt"))[:limit]
     if not paths:
-        raise FileNotFoundError(f"no shard_*.pt in {out_dir}: run python -m radarlab.spec.draft_data first")
+        raise FileNotFoundError(f"no shard_*.pt in {out_dir}: run python -m radarlab.train.draft_data first")
     parts = [torch.load(p) for p in paths]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 

@@ -8,7 +8,7 @@ runs k single-token steps for all requests together (the first step also catches
 the draft has not computed: the whole prompt the first time, the target's token afterwards).
 
 Greedy requests take the draft's argmax; sampled requests draw from the draft's q (the request's
-temperature, top-k and top-p, through radarlab.engine.sampler.probabilities) with a generator of
+temperature, top-k and top-p, through radarlab.sample.sampler.probabilities) with a generator of
 the proposer's own per request, seeded from the request's seed, so runs are reproducible.
 
 When the draft's pool is full, a request gets fewer drafts (or none) instead of waiting.
@@ -24,13 +24,13 @@ from typing import Hashable, Sequence as SequenceType
 import torch
 from torch import nn
 
-from radarlab.engine.sampler import probabilities
+from radarlab.sample.sampler import probabilities
 from radarlab.kvcache.block_table import BlockSpaceManager
 from radarlab.kvcache.blocks import NoFreeBlocks
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.paged_runner import paged_step
-from radarlab.spec.proposer import Proposal
+from radarlab.spec_decode.proposer import Proposal
 from radarlab.util import require_int
 
 _DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # keeps the draft's random stream apart from the request's own

@@ -1,7 +1,7 @@
-"""Train the draft head on cached target features (python -m radarlab.spec.train_draft).
+"""Train the draft head on cached target features (python -m radarlab.train.train_draft).
 
 Each training row is a chunk of library source with the target's features f_t and greedy tokens y_t
-(radarlab.spec.draft_data). The head is trained the way it is used, several draft steps deep
+(radarlab.train.draft_data). The head is trained the way it is used, several draft steps deep
 ("training-time test", as in HASS and EAGLE-3): pass 1 reads the target's true features, pass p > 1
 reads the head's own output of pass p - 1 one position back, and attends to what a real draft would
 have in its cache at that step: pass-1 keys up to the last verified position, then one key of each
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from radarlab.models.llama import apply_rope
-from radarlab.spec.draft_head import DraftHead, draft_config, save_head
+from radarlab.spec_decode.draft_head import DraftHead, draft_config, save_head
 from radarlab.util import require_int
 
 
@@ -200,10 +200,10 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
 def main(argv=None) -> None:
     from radarlab.models.llama import Llama
     from radarlab.models.loader import resolve_model
-    from radarlab.spec.draft_data import load_shards
+    from radarlab.train.draft_data import load_shards
 
     ap = argparse.ArgumentParser(description="Train the EAGLE-style draft head on cached target features")
-    ap.add_argument("--features", required=True, help="directory of shard_*.pt (python -m radarlab.spec.draft_data)")
+    ap.add_argument("--features", required=True, help="directory of shard_*.pt (python -m radarlab.train.draft_data)")
     ap.add_argument("--out", required=True, help="directory for the head (vLLM EAGLE layout)")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch-rows", type=int, default=8)
@@ -219,7 +219,7 @@ def main(argv=None) -> None:
     model, tokenizer = Llama.from_pretrained()
     for p in model.parameters():
         p.requires_grad_(False)
-    from radarlab.spec.draft_data import split_files, token_chunks
+    from radarlab.train.draft_data import split_files, token_chunks
 
     # the draft vocabulary: the most frequent tokens of the whole training text (the greedy tokens
     # follow them closely, and the text is cheap to count while the feature cache is still growing)

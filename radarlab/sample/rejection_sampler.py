@@ -14,7 +14,7 @@ Every emitted token is then distributed exactly as p: the accepted part contribu
 the residual the remaining p - min(p, q). Greedy verification is the temperature-0 case: accept
 while the draft equals the target's argmax, then emit the argmax.
 
-p and q both come from radarlab.engine.sampler.probabilities with the request's SamplingParams, so
+p and q both come from radarlab.sample.sampler.probabilities with the request's SamplingParams, so
 temperature, top-k and top-p truncate them identically. Random numbers come from the request's own
 generator, in a fixed order (one uniform per checked draft, then one draw for the last token), so a
 seeded request verifies the same way in any batch.
@@ -25,8 +25,8 @@ from typing import Sequence
 
 import torch
 
-from radarlab.engine.params import SamplingParams
-from radarlab.engine.sampler import probabilities
+from radarlab.sample.sampling_params import SamplingParams
+from radarlab.sample.sampler import probabilities
 
 
 def _check(num_rows: int, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, vocab: int) -> None:

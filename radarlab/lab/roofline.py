@@ -13,7 +13,7 @@ peak FLOP/s divided by bandwidth (its ridge point) is above that is waiting on m
 
 This is a first-order model: activations, norms, embeddings rows and the KV write are left out
 (each is small next to the weights or the KV read). Measuring a machine's peak and bandwidth, and
-timing real decode steps against this model, is radarlab.hardware.measure's job.
+timing real decode steps against this model, is radarlab.lab.measure's job.
 """
 from __future__ import annotations
 

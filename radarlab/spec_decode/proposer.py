@@ -14,7 +14,7 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   max_model_len. A proposal may be shorter, or empty (no guess: the request decodes plainly).
 - `Proposal.draft_probs` is None for a proposer that only has tokens (n-gram: verification treats q
   as one-hot), or q [len(draft_token_ids), vocab]: the distribution each draft was sampled from,
-  computed with radarlab.engine.sampler.probabilities and the request's params, so that top-k/top-p
+  computed with radarlab.sample.sampler.probabilities and the request's params, so that top-k/top-p
   truncate q as they truncate the target's p. Greedy requests may leave it None.
 - A proposer with state per request (a draft model's KV cache) keeps it between calls and checks
   it against `all_token_ids`, which may have lost tokens (a preemption, rejected drafts) or gained
@@ -30,8 +30,8 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   below the request's num_tokens - 1 when it next proposes. Without observe, paged_step computes
   no features.
 
-Implementations: radarlab.spec.ngram.NgramProposer, radarlab.spec.draft_model.DraftModelProposer,
-radarlab.spec.eagle.EagleProposer, and radarlab.spec.ngram_eagle.NgramEagleProposer (n-gram first,
+Implementations: radarlab.spec_decode.ngram.NgramProposer, radarlab.spec_decode.draft_model.DraftModelProposer,
+radarlab.spec_decode.eagle.EagleProposer, and radarlab.spec_decode.ngram_eagle.NgramEagleProposer (n-gram first,
 then the EAGLE head).
 A trained draft plugs in as a DraftModelProposer: pass it as
 `Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
