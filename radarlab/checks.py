@@ -529,7 +529,7 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
     Every other slot must keep what it held, so the pools start filled with a marker value."""
     import torch
 
-    from radarlab.kvcache.paged_cache import reshape_and_cache as reference
+    from radarlab.attention.kv_write import reshape_and_cache as reference
 
     name = "reshape_and_cache"
     gen = torch.Generator().manual_seed(4)
@@ -602,7 +602,7 @@ def check_store_kv_kernel(store_kv) -> bool:
     import torch
 
     from radarlab.device import default_device
-    from radarlab.kvcache.paged_cache import reshape_and_cache as reference
+    from radarlab.attention.kv_write import reshape_and_cache as reference
 
     name = "store_kv_kernel"
     device = default_device()

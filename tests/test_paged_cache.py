@@ -13,6 +13,7 @@ import pytest
 import torch
 
 
+from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.util import cdiv
 from radarlab.attention.reference import attention_reference
@@ -72,7 +73,7 @@ def test_write_puts_each_token_at_its_slot_and_skips_padding(backend, block_size
     slot_mapping = torch.tensor(slots[:2] + [-1] + slots[2:] + [-1])  # padding tokens in between and at the end
     k = torch.randn(len(slot_mapping), 2, 8, generator=gen).to(cache.k.device)
     v = torch.randn(len(slot_mapping), 2, 8, generator=gen).to(cache.k.device)
-    cache.write(1, k, v, slot_mapping)
+    write_kv(cache, 1, k, v, slot_mapping)
 
     expected_k = torch.full_like(cache.k, 7.0)
     expected_v = torch.full_like(cache.v, 7.0)
@@ -89,7 +90,7 @@ def test_triton_write_equals_torch_write_bit_for_bit():
     slot_mapping = torch.tensor([3, -1, 17, 0, 19, -1, 8])
     k, v = (torch.randn(7, 2, 8, generator=gen).to(default_device()) for _ in range(2))
     for cache in caches.values():
-        cache.write(0, k, v, slot_mapping)
+        write_kv(cache, 0, k, v, slot_mapping)
     assert torch.equal(caches["torch"].k, caches["triton"].k)
     assert torch.equal(caches["torch"].v, caches["triton"].v)
 
@@ -100,7 +101,7 @@ def test_slot_outside_the_pool_raises_and_writes_nothing(backend, bad):
     cache = small_cache(backend, block_size=4, num_blocks=6)  # slots 0..23
     k = torch.ones(3, 2, 8, device=cache.k.device)
     with pytest.raises(ValueError, match=rf"slot_mapping\[1\] = {bad} is outside the pool"):
-        cache.write(0, k, k, torch.tensor([0, bad, 5]))
+        write_kv(cache, 0, k, k, torch.tensor([0, bad, 5]))
     assert not cache.k.any() and not cache.v.any()
 
 
@@ -108,11 +109,11 @@ def test_write_rejects_wrong_shapes_and_layers():
     cache = small_cache()
     k = torch.ones(3, 2, 8, device=cache.k.device)
     with pytest.raises(ValueError, match="slot_mapping"):
-        cache.write(0, k, k, torch.tensor([0, 1]))
+        write_kv(cache, 0, k, k, torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="k and v"):
-        cache.write(0, torch.ones(3, 3, 8), torch.ones(3, 3, 8), torch.tensor([0, 1, 2]))
+        write_kv(cache, 0, torch.ones(3, 3, 8), torch.ones(3, 3, 8), torch.tensor([0, 1, 2]))
     with pytest.raises(ValueError, match="layer 2"):
-        cache.write(2, k, k, torch.tensor([0, 1, 2]))
+        write_kv(cache, 2, k, k, torch.tensor([0, 1, 2]))
 
 
 # --- copy-on-write --------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ def test_attend_needs_slot_mapping_and_block_tables():
     meta = AttentionMetadata.from_lens([1], [1], slot_mapping=torch.tensor([0]))
     x = torch.ones(1, 2, 8)
     with pytest.raises(ValueError, match="block_tables"):
-        cache.attend(0, x, x, x, meta, 1.0)
+        attention_forward(cache, 0, x, x, x, meta, 1.0)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -153,49 +154,49 @@ def test_attend_rejects_a_block_table_outside_the_pool_before_writing(backend):
     meta = AttentionMetadata.from_lens([5], [5], slot_mapping=torch.tensor([0, 1, 2, 3, 4]),
                                        block_tables=torch.tensor([[0, 4]], dtype=torch.int32))
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 4 is outside the pool"):
-        cache.attend(0, torch.ones(5, 2, 8, device=cache.k.device), x, x, meta, 1.0)
+        attention_forward(cache, 0, torch.ones(5, 2, 8, device=cache.k.device), x, x, meta, 1.0)
     assert not cache.k.any()
 
 
-def test_prepare_validates_once_and_stamps_the_pool_geometry():
+def test_build_metadata_validates_once_and_stamps_the_pool_geometry():
     """A step's metadata is checked once against the pool (prepare) and frozen; a stamp for another
     pool's geometry does not count, and an unstamped metadata is checked in attend itself."""
     big, small = small_cache(block_size=4, num_blocks=8), small_cache(block_size=4, num_blocks=4)
     meta = AttentionMetadata.from_lens([5], [5], slot_mapping=torch.tensor([0, 1, 2, 3, 20]),
                                        block_tables=torch.tensor([[0, 5]], dtype=torch.int32))
-    checked = big.prepare(meta)
+    checked = build_metadata(big, meta)
     assert meta.checked_for is None and checked.checked_for == big.geometry
-    assert big.prepare(checked) is checked  # stamped for this pool: nothing to do
+    assert build_metadata(big, checked) is checked  # stamped for this pool: nothing to do
     with pytest.raises(dataclasses.FrozenInstanceError):
         checked.block_tables = torch.tensor([[0, 7]], dtype=torch.int32)
     x = torch.ones(5, 2, 8)
-    big.attend(0, x, x, x, checked, 1.0)
+    attention_forward(big, 0, x, x, x, checked, 1.0)
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is outside the pool"):
-        small.attend(0, x, x, x, checked, 1.0)  # stamped for the bigger pool: checked again, and refused
+        attention_forward(small, 0, x, x, x, checked, 1.0)  # stamped for the bigger pool: checked again, and refused
     assert not small.k.any()
 
 
 def test_torch_backend_plans_once_per_step_and_attends_with_sdpa(monkeypatch):
-    """prepare builds the SDPA plan with the stamp; attend reuses it in every layer and never calls
+    """build_metadata builds the SDPA plan with the stamp; attention_forward reuses it in every layer and never calls
     the reference; a stamped metadata without a plan (a Triton pool's) gets one."""
-    import radarlab.kvcache.paged_cache as pc
+    import radarlab.attention.backends.sdpa_attn as pc
 
     cache = small_cache(block_size=4, num_blocks=8)
     meta = AttentionMetadata.from_lens([1, 1], [5, 2], slot_mapping=torch.tensor([4, 8]),
                                        block_tables=torch.tensor([[0, 1], [2, -1]], dtype=torch.int32))
-    checked = cache.prepare(meta)
+    checked = build_metadata(cache, meta)
     assert checked.plan.context == 5 and checked.plan.num_tokens == 2
     plans = []
     monkeypatch.setattr(pc, "plan_paged_sdpa", lambda *a: plans.append(a))  # no new plan may be made
     q = torch.randn(2, 4, 8)
     for layer in range(cache.num_layers):
-        out = cache.attend(layer, q, q[:, :2], q[:, :2], checked, 0.5)
+        out = attention_forward(cache, layer, q, q[:, :2], q[:, :2], checked, 0.5)
         ref = paged_attention_torch(q, cache.k[layer], cache.v[layer], checked.block_tables, checked.seq_lens,
                                     checked.query_start_loc, 0.5)
         assert (out - ref).abs().max() < 1e-6
     assert plans == []
     monkeypatch.undo()
-    assert cache.prepare(dataclasses.replace(checked, plan=None)).plan is not None
+    assert build_metadata(cache, dataclasses.replace(checked, plan=None)).plan is not None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -208,9 +209,9 @@ def test_attend_over_two_steps_equals_the_math(backend):
     table = torch.tensor([[3, 0]], dtype=torch.int32)
     slots = torch.tensor([12, 13, 14, 15, 0, 1, 2])
     prefill = AttentionMetadata.from_lens([6], [6], slot_mapping=slots[:6], block_tables=table)
-    out1 = cache.attend(1, q[:6], k[:6], v[:6], prefill, 0.3)
+    out1 = attention_forward(cache, 1, q[:6], k[:6], v[:6], prefill, 0.3)
     decode = AttentionMetadata.from_lens([1], [7], slot_mapping=slots[6:], block_tables=table)
-    out2 = cache.attend(1, q[6:], k[6:], v[6:], decode, 0.3)
+    out2 = attention_forward(cache, 1, q[6:], k[6:], v[6:], decode, 0.3)
     expected = attention_reference(q, k, v, 0.3)
     assert (torch.cat([out1, out2]) - expected).abs().max() < 1e-5
     assert not cache.k[0].any()  # other layers untouched

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cache_steps import seeded, step_metadata
+from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.quant import kivi
@@ -37,11 +38,11 @@ def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual
     k = k.half().float()
     table = [6, 1, 3, 0]
     start = 9
-    out = cache.attend(0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), 0.25)
+    out = attention_forward(cache, 0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), 0.25)
     for t in range(start):  # each query of the prefill sees what it would have seen decoding
         assert torch.allclose(out[t], _expected(q[:t + 1], k[:t + 1], v[:t + 1], group, residual)[-1], atol=1e-4), t
     for n in range(start + 1, T + 1):
-        out = cache.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
+        out = attention_forward(cache, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
         assert torch.allclose(out, _expected(q[:n], k[:n], v[:n], group, residual)[-1:], atol=1e-4), n
         in_tails = int((cache.kivi.tail_of >= 0).sum())
         assert in_tails == cdiv(n - kivi.quantized_length(n, group, residual), group)  # only the window
@@ -57,9 +58,9 @@ def test_a_prefill_equals_decoding_its_tokens_one_by_one(name):
     k[:, :, 5] += 12
     table = [2, 5, 0]
     whole = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
-    prefill = whole.attend(0, q, k, v, _meta([21], [21], [table]), 0.25)
+    prefill = attention_forward(whole, 0, q, k, v, _meta([21], [21], [table]), 0.25)
     one_by_one = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
-    decoded = torch.cat([one_by_one.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
+    decoded = torch.cat([attention_forward(one_by_one, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
                          for n in range(1, 22)])
     assert torch.allclose(prefill, decoded, atol=1e-5)
     for a, b in zip(whole.kivi.block_tensors(), one_by_one.kivi.block_tensors()):  # the same codes and scales
@@ -71,16 +72,17 @@ def test_a_prefill_equals_decoding_its_tokens_one_by_one(name):
 def test_two_sequences_copy_on_write_and_bytes():
     cache = PagedKVCache(2, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4_r4")
     k, v, q = _x(11, H, D, seed=4), _x(11, H, D, seed=5), _x(11, 4, D, seed=6)
+    prefill = build_metadata(cache, _meta([6], [6], [[2]]))  # once per step: KIVI plans its writes here
     for layer in range(2):
-        cache.attend(layer, q[:6], k[:6], v[:6], _meta([6], [6], [[2]]), 0.25)
+        attention_forward(cache, layer, q[:6], k[:6], v[:6], prefill, 0.25)
     cache.copy_blocks([(2, 4)])  # a fork: block 4 is block 2's copy, tails included
     assert int((cache.kivi.tail_of[4] >= 0).sum()) == int((cache.kivi.tail_of[2] >= 0).sum()) > 0
     assert set(cache.kivi.tail_of[4].tolist()).isdisjoint(set(cache.kivi.tail_of[2].tolist()) - {-1})
     ka, va = torch.cat((k[:6], k[6:7])), torch.cat((v[:6], v[6:7]))
     kb, vb = torch.cat((k[:6], k[7:8])), torch.cat((v[:6], v[7:8]))
-    meta = _meta([1, 1], [7, 7], [[2], [4]])
+    meta = build_metadata(cache, _meta([1, 1], [7, 7], [[2], [4]]))
     for layer in range(2):
-        out = cache.attend(layer, q[6:8], torch.cat((k[6:7], k[7:8])), torch.cat((v[6:7], v[7:8])), meta, 0.25)
+        out = attention_forward(cache, layer, q[6:8], torch.cat((k[6:7], k[7:8])), torch.cat((v[6:7], v[7:8])), meta, 0.25)
     assert torch.allclose(out[:1], _expected(torch.cat((q[:6], q[6:7])), ka, va, 4, 4)[-1:], atol=1e-4)
     assert torch.allclose(out[1:], _expected(torch.cat((q[:6], q[7:8])), kb, vb, 4, 4)[-1:], atol=1e-4)
     blocks_only = cache.nbytes - cache.kivi.k_tail.nbytes - cache.kivi.v_tail.nbytes
@@ -90,16 +92,16 @@ def test_two_sequences_copy_on_write_and_bytes():
 def test_tails_run_out_then_an_untouched_group_is_quantized_early():
     cache = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", num_tail_groups=1)
     k, v, q = _x(6, H, D, seed=7), _x(6, H, D, seed=8), _x(6, 4, D, seed=9)
-    cache.attend(0, q[:3], k[:3], v[:3], _meta([3], [3], [[1]]), 0.25)  # partial group: the only tail
+    attention_forward(cache, 0, q[:3], k[:3], v[:3], _meta([3], [3], [[1]]), 0.25)  # partial group: the only tail
     assert cache.kivi.num_free_tails == 0
-    cache.attend(0, q[3:6], k[3:6], v[3:6], _meta([3], [3], [[5]]), 0.25)  # another sequence needs one
+    attention_forward(cache, 0, q[3:6], k[3:6], v[3:6], _meta([3], [3], [[5]]), 0.25)  # another sequence needs one
     assert int(cache.kivi.tail_of[1, 0]) == -1 and int(cache.kivi.tail_of[5, 0]) >= 0
     # sequence 1's three tokens were quantized on their own, not lost: within a 4-bit step of the truth
     k_pool, _ = cache.layer_pools(0)
     early = k_pool[torch.tensor([1])][0, :3]
     assert float((early - k[:3]).abs().max()) < float((k[:3].amax(0) - k[:3].amin(0)).max()) / 15
     # and a later token of sequence 1 joins the group: decoded, merged, quantized again once full
-    out = cache.attend(0, q[:1], k[:1], v[:1], _meta([1], [4], [[1]]), 0.25)
+    out = attention_forward(cache, 0, q[:1], k[:1], v[:1], _meta([1], [4], [[1]]), 0.25)
     assert bool(torch.isfinite(out).all())
 
 
@@ -109,8 +111,8 @@ def test_bad_kivi_settings():
     with pytest.raises(ValueError, match="head_dim .*power of two"):
         PagedKVCache(1, 4, H, 24, block_size=8, kv_cache_dtype="kivi_g4", backend="triton")
     cache = PagedKVCache(1, 4, H, D, block_size=8, kv_cache_dtype="kivi_g4")
-    with pytest.raises(ValueError, match="written by attend"):
-        cache.write(0, _x(1, H, D, seed=0), _x(1, H, D, seed=0), torch.tensor([0]))
+    with pytest.raises(ValueError, match="written by attention_forward"):
+        write_kv(cache, 0, _x(1, H, D, seed=0), _x(1, H, D, seed=0), torch.tensor([0]))
 
 
 def test_greedy_and_engine_run_kivi():
@@ -146,3 +148,12 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
     outs = [[o.output_token_ids for o in Engine(model, 30, block_size=4, kv_cache_dtype=name, backend=backend)
              .generate(prompts, SamplingParams(max_tokens=9))] for backend in ("torch", "triton")]
     assert outs[0] == outs[1] and [len(o) for o in outs[0]] == [9, 9, 9]
+
+
+def test_a_kivi_step_is_planned_once_before_layer_0():
+    """Unbuilt metadata at layer 1 would plan the step a second time, after layer 0 wrote by the first
+    plan: refused, with the remedy."""
+    cache = PagedKVCache(2, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4_r4")
+    k, v, q = _x(6, H, D, seed=4), _x(6, H, D, seed=5), _x(6, 4, D, seed=6)
+    with pytest.raises(ValueError, match="build the step's metadata once"):
+        attention_forward(cache, 1, q, k, v, _meta([6], [6], [[2]]), 0.25)

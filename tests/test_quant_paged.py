@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from cache_steps import step_metadata
+from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
-from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget, reshape_and_cache
+from radarlab.attention.kv_write import reshape_and_cache
+from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.quant import fp8
 from radarlab.quant.formats import kv_format
@@ -43,9 +45,9 @@ def test_prefill_then_decode_equals_attention_over_the_decoded_kv(name):
     cache = PagedKVCache(2, 8, H, D, block_size=BLOCK, kv_cache_dtype=name)
     q, k, v = _x(11, 4, D, seed=1), _x(11, H, D, seed=2) * 2, _x(11, H, D, seed=3)
     table = [5, 2, 7]
-    out = cache.attend(1, q[:10], k[:10], v[:10], _step([10], [10], [table]), 0.125)
+    out = attention_forward(cache, 1, q[:10], k[:10], v[:10], _step([10], [10], [table]), 0.125)
     assert torch.allclose(out, _expected(name, q[:10], k[:10], v[:10]), atol=1e-5)
-    out = cache.attend(1, q[10:], k[10:], v[10:], _step([1], [11], [table]), 0.125)  # decode reads the same blocks
+    out = attention_forward(cache, 1, q[10:], k[10:], v[10:], _step([1], [11], [table]), 0.125)  # decode reads the same blocks
     assert torch.allclose(out, _expected(name, q, k, v)[10:], atol=1e-5)
     plain = attention_reference(q, k, v, 0.125)
     err = float((out - plain[10:]).abs().max())
@@ -70,7 +72,7 @@ def test_copy_blocks_copies_codes_and_scales(name):
     cache = PagedKVCache(2, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
     k, v = _x(4, H, D, seed=4) * 3, _x(4, H, D, seed=5)
     for layer in range(2):
-        cache.write(layer, k, v, torch.arange(4) + BLOCK * 1)  # block 1
+        write_kv(cache, layer, k, v, torch.arange(4) + BLOCK * 1)  # block 1
     cache.copy_blocks([(1, 4)])
     for layer in range(2):
         kp, vp = cache.layer_pools(layer)
@@ -105,7 +107,7 @@ def test_per_head_static_scales_and_bad_scales():
     k = _x(4, H, D, seed=9)
     k[:, 1] *= 50  # head 1 is larger: a per-head scale keeps head 0's precision
     cache.set_kv_scales(torch.stack([fp8.calibrated_scale(k, rule="head")] * 2), 1.0)
-    cache.write(0, k, k, torch.arange(4))
+    write_kv(cache, 0, k, k, torch.arange(4))
     back = cache.layer_pools(0)[0][torch.tensor([0])][0]
     assert float((back - k).abs().max()) < float(k.abs().max()) / 8
     with pytest.raises(ValueError, match=r"k_scale must be a number, \[2\] \(per layer\) or \[2, 2\]"):
@@ -126,11 +128,11 @@ def test_prefill_chunks_and_mixed_batches_read_blocks_in_place():
     cache = PagedKVCache(1, 10, H, D, block_size=BLOCK, kv_cache_dtype=name)
     ka, va, kb, vb = (_x(9, H, D, seed=s) for s in (10, 11, 12, 13))
     ta, tb = [3, 0, 8], [6, 1]
-    cache.write(0, ka[:6], va[:6], _step([6], [6], [ta]).slot_mapping)
-    cache.write(0, kb[:5], vb[:5], _step([5], [5], [tb]).slot_mapping)
+    write_kv(cache, 0, ka[:6], va[:6], _step([6], [6], [ta]).slot_mapping)
+    write_kv(cache, 0, kb[:5], vb[:5], _step([5], [5], [tb]).slot_mapping)
     meta = _step([3, 1], [9, 6], [ta, tb])
     q = _x(4, 4, D, seed=14)
-    out = cache.attend(0, q, torch.cat((ka[6:9], kb[5:6])), torch.cat((va[6:9], vb[5:6])), meta, 0.125)
+    out = attention_forward(cache, 0, q, torch.cat((ka[6:9], kb[5:6])), torch.cat((va[6:9], vb[5:6])), meta, 0.125)
     assert torch.allclose(out[:3], _expected(name, torch.cat((_x(6, 4, D, seed=0), q[:3])), ka, va)[6:], atol=1e-5)
     assert torch.allclose(out[3:], _expected(name, torch.cat((_x(5, 4, D, seed=0), q[3:])), kb[:6], vb[:6])[5:],
                           atol=1e-5)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from cache_steps import seeded, step_metadata
+from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.kivi_store import default_tail_groups, tail_bytes
 from radarlab.kvcache.memory import kv_footprint
@@ -28,7 +29,7 @@ def _meta(news, totals, tables):
 
 def _attend(name, q, k, v, backend="torch", table=(3, 0, 5)):
     cache = PagedKVCache(1, 6, H, D, BLOCK, kv_cache_dtype=name, backend=backend)
-    return cache.attend(0, q, k, v, _meta([len(q)], [len(q)], [list(table)]), SCALE), cache
+    return attention_forward(cache, 0, q, k, v, _meta([len(q)], [len(q)], [list(table)]), SCALE), cache
 
 
 # --- the table -----------------------------------------------------------------------------------
@@ -162,9 +163,9 @@ def test_fp8_sink_keeps_the_first_tokens_in_16_bit_through_prefill_and_decode():
     k[0] = k[0].half().float()
     cache = PagedKVCache(1, 6, H, D, BLOCK, kv_cache_dtype="fp8_e4m3_sink2")
     table = [4, 1]
-    cache.attend(0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), SCALE)
+    attention_forward(cache, 0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), SCALE)
     for n in range(start + 1, T + 1):
-        out = cache.attend(0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), SCALE)
+        out = attention_forward(cache, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), SCALE)
     kd, vd = _fp8(k), _fp8(v)
     kd[:2], vd[:2] = k[:2], v[:2]
     assert torch.allclose(out, attention_reference(q, kd, vd, SCALE)[-1:], atol=1e-5)
@@ -188,24 +189,24 @@ def test_kivi_sink_leaves_the_first_key_out_of_its_groups_range():
 def test_a_reused_block_drops_its_stale_sink_and_copy_on_write_copies_it():
     cache = PagedKVCache(1, 6, H, D, BLOCK, kv_cache_dtype="fp8_e4m3_sink1", num_sinks=2)
     k, v, q = _x(12, H, D, seed=24), _x(12, H, D, seed=25), _x(12, HQ, D, seed=26)
-    cache.attend(0, q[:3], k[:3], v[:3], _meta([3], [3], [[2]]), SCALE)
+    attention_forward(cache, 0, q[:3], k[:3], v[:3], _meta([3], [3], [[2]]), SCALE)
     assert int(cache.sinks.sink_of[2]) >= 0 and len(cache.sinks.free) == 1
     cache.copy_blocks([(2, 4)])
     assert int(cache.sinks.sink_of[4]) >= 0 and int(cache.sinks.sink_of[4]) != int(cache.sinks.sink_of[2])
     assert torch.equal(cache.sinks.k[0, cache.sinks.sink_of[4]], cache.sinks.k[0, cache.sinks.sink_of[2]])
     # block 2 freed, then reused as the second block of another sequence: its sink is stale
-    cache.attend(0, q[:12], k[:12], v[:12], _meta([12], [12], [[0, 2]]), SCALE)
+    attention_forward(cache, 0, q[:12], k[:12], v[:12], _meta([12], [12], [[0, 2]]), SCALE)
     assert int(cache.sinks.sink_of[2]) == -1 and int(cache.sinks.sink_of[0]) >= 0
 
 
 def test_sinks_run_out_then_one_this_step_does_not_read_is_dropped():
     cache = PagedKVCache(1, 6, H, D, BLOCK, kv_cache_dtype="fp8_e4m3_sink1", num_sinks=1)
     k, v, q = _x(4, H, D, seed=27), _x(4, H, D, seed=28), _x(4, HQ, D, seed=29)
-    cache.attend(0, q[:2], k[:2], v[:2], _meta([2], [2], [[1]]), SCALE)
-    cache.attend(0, q[2:], k[2:], v[2:], _meta([2], [2], [[3]]), SCALE)
+    attention_forward(cache, 0, q[:2], k[:2], v[:2], _meta([2], [2], [[1]]), SCALE)
+    attention_forward(cache, 0, q[2:], k[2:], v[2:], _meta([2], [2], [[3]]), SCALE)
     assert int(cache.sinks.sink_of[1]) == -1 and int(cache.sinks.sink_of[3]) == 0
     with pytest.raises(RuntimeError, match="num_sinks"):
-        cache.attend(0, q, k, v, _meta([2, 2], [2, 2], [[1], [5]]), SCALE)  # two new sequences, one sink
+        attention_forward(cache, 0, q, k, v, _meta([2, 2], [2, 2], [[1], [5]]), SCALE)  # two new sequences, one sink
 
 
 @pytest.mark.parametrize("kwargs, words", [(dict(kv_cache_dtype="fp8_e4m3_sink9"), "block_size"),
@@ -217,5 +218,5 @@ def test_bad_sink_caches_raise(kwargs, words):
 
 def test_a_sink_cache_is_written_by_attend_only():
     cache = PagedKVCache(1, 4, H, D, BLOCK, kv_cache_dtype="fp8_e4m3_sink1")
-    with pytest.raises(ValueError, match="written by attend"):
-        cache.write(0, _x(1, H, D, seed=30), _x(1, H, D, seed=31), torch.tensor([0]))
+    with pytest.raises(ValueError, match="written by attention_forward"):
+        write_kv(cache, 0, _x(1, H, D, seed=30), _x(1, H, D, seed=31), torch.tensor([0]))

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from cache_steps import seeded, step_metadata
+from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.attention.triton_quant import triton_quant_paged_attention, triton_quant_reshape_and_cache
 from radarlab.device import default_device
-from radarlab.kvcache.paged_cache import PagedKVCache, reshape_and_cache
+from radarlab.attention.kv_write import reshape_and_cache
+from radarlab.kvcache.paged_cache import PagedKVCache
 
 FORMATS = ["fp8", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_per_token_head", "int4_g16_sym", "int4_g8",
            "int4_g16_asym_fp8scales", "int4_g32_sym_fp8scales", "int4_g8_int8zeros", "int4_g16_fp8scales_int8zeros"]
@@ -50,7 +52,7 @@ def test_attention_equals_torch_over_the_same_pools(name):
     totals, news = [11, 6, 3], [1, 3, 3]  # a decode, a chunk of prefill, a whole prefill
     slots = [t[p // BLOCK] * BLOCK + p % BLOCK for t, total in zip(tables, totals) for p in range(total)]
     n = len(slots)
-    cache.write(0, _x(n, H, D, seed=3) * 2, _x(n, H, D, seed=4), torch.tensor(slots, device=DEV))
+    write_kv(cache, 0, _x(n, H, D, seed=3) * 2, _x(n, H, D, seed=4), torch.tensor(slots, device=DEV))
     bt = torch.tensor([t + [-1] * (3 - len(t)) for t in tables], device=DEV)
     meta = AttentionMetadata.from_lens(news, totals, block_tables=bt).to(DEV)
     q = _x(sum(news), 4, D, seed=5)
@@ -67,7 +69,7 @@ def test_triton_cache_backend_matches_torch_backend():
                              device=DEV)
         meta = AttentionMetadata.from_lens([5], [5], slot_mapping=torch.tensor([8, 9, 10, 11, 12]),
                                            block_tables=torch.tensor([[2, 3]])).to(DEV)
-        outs.append(cache.attend(0, _x(5, 4, D, seed=6), _x(5, H, D, seed=7), _x(5, H, D, seed=8), meta, 0.2))
+        outs.append(attention_forward(cache, 0, _x(5, 4, D, seed=6), _x(5, H, D, seed=7), _x(5, H, D, seed=8), meta, 0.2))
     assert torch.allclose(outs[0], outs[1], atol=2e-5)
 
 
@@ -105,7 +107,7 @@ def _run_steps(name, backend):
     for news in ([13, 5], [1, 6], *[[1, 1]] * 4):
         totals = [d + n for d, n in zip(done, news)]
         rows = torch.cat([torch.arange(d, t) + i * T for i, (d, t) in enumerate(zip(done, totals))]).to(DEV)
-        outs.append(cache.attend(0, q[rows], k[rows], v[rows], step_metadata(news, totals, tables, block).to(DEV),
+        outs.append(attention_forward(cache, 0, q[rows], k[rows], v[rows], step_metadata(news, totals, tables, block).to(DEV),
                                  0.25))
         done = totals
     return torch.cat(outs), cache
@@ -137,7 +139,7 @@ def test_triton_kivi_prefill_reads_each_group_as_its_query_did():
     cache = PagedKVCache(1, 8, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", backend="triton", device=DEV)
     q, k, v = (seeded(13, n, D, seed=s, half_exact=True).to(DEV) for n, s in ((4, 14), (H, 15), (H, 16)))
     meta = step_metadata([13], [13], [[2, 5, 0, 6]], BLOCK).to(DEV)
-    out = cache.attend(0, q, k, v, meta, 0.25)
+    out = attention_forward(cache, 0, q, k, v, meta, 0.25)
     args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
     settled = triton_quant_paged_attention(q, *cache.layer_pools(0, fresh=True), *args)
     unsettled = triton_quant_paged_attention(q, *cache.layer_pools(0), *args)

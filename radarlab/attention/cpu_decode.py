@@ -23,7 +23,7 @@ def paged_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Decode attention: q [T, H, D], one query per sequence (row rows[i] for sequence i, or row i),
     over pools [num_blocks, block_size, kv_heads, D]; returns out [T, H, D] in q's dtype. Rows of out
     that no sequence names are left as they were (zeros in a new out). The block tables are validated
-    here; the engine validates them once per step (PagedKVCache.prepare) and calls the op directly."""
+    here; the engine validates them once per step (the attention backend's build) and calls the op directly."""
     validate_pool(k_cache, v_cache)
     validate_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
     if rows is None and q.shape[0] != seq_lens.numel():

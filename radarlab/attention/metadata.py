@@ -5,9 +5,11 @@ sequence b owns tokens query_start_loc[b]:query_start_loc[b+1], and after this s
 seq_lens[b] tokens of context, so its new tokens sit at positions seq_lens[b]-query_len .. seq_lens[b]-1.
 
 The metadata is built once per step, moved to the device once (to), and is frozen: every layer
-reads the same object. A cache that validates it against its pool returns a copy stamped with
-that pool's geometry (checked_for), so the 30 layers of a step do not validate it 30 times, and a
-metadata that was never checked for this pool cannot pass as checked.
+reads the same object. The attention backend's build (radarlab.attention.backends) validates it
+against the pool and returns a copy stamped with the pool's geometry (checked_for), with its own
+per-step plan and with itself as `backend`, so the 30 layers of a step do not validate it 30 times,
+a metadata never checked for this pool cannot pass as checked, and every layer runs the backend
+that built it (vLLM gives each backend a metadata class of its own).
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor | None = None  # [T] paged cache: where each new token's K/V goes
     block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
     checked_for: tuple | None = None  # the pool geometry these were validated against, if any
-    plan: object | None = None  # the attention path's own per-step data, built once (vLLM: its metadata builder)
+    plan: "PagedSDPAPlan | None" = None  # the torch backend's per-step plan (radarlab.attention.sdpa_paged)
+    backend: object | None = None  # the attention backend whose build() made this (radarlab.attention.backends)
 
     def __post_init__(self) -> None:
         if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:

@@ -277,7 +277,7 @@ def triton_quant_reshape_and_cache(k, v, k_pool: QuantizedPool, v_pool: Quantize
     _check_pools(k_pool, v_pool)
     if not isinstance(k_pool, QuantizedPool):
         raise ValueError("triton_quant_reshape_and_cache writes per-token formats; KIVI and sink caches are "
-                         "written through PagedKVCache.attend")
+                         "written through attention_forward (radarlab.attention.backends)")
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
     if k.shape != v.shape or k.dim() != 3 or tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k and v must be [num_tokens, {num_kv_heads}, {head_dim}]; got {tuple(k.shape)}, "

@@ -29,6 +29,7 @@ import math
 import time
 from dataclasses import asdict, dataclass, field, replace
 
+from radarlab.attention.backends import attention_forward, get_attn_backend
 from radarlab.util import cdiv, require_int
 
 BASELINE = "fp32"  # the perplexity reference: an unquantized fp32 cache
@@ -103,15 +104,21 @@ QUICK = dict(num_chunks=2, chunk_len=64, calib_chunks=1, attn_tokens=64, num_req
 
 
 # --- running the model over the paged cache --------------------------------------------------------
-class RecordingCache:
-    """A KV backend that passes every layer through `cache` and keeps that layer's q, K and V."""
+class RecordingBackend:
+    """An attention backend that keeps every layer's q, K and V, then runs the cache's own backend."""
 
     def __init__(self, cache) -> None:
-        self.cache, self.inputs = cache, {}
+        self.cache, self.inner, self.inputs = cache, get_attn_backend(cache), {}
 
-    def attend(self, layer, q, k, v, meta, scale):
+    def is_built(self, meta, kv_cache) -> bool:
+        return meta.backend is self
+
+    def build(self, meta, kv_cache, layer=None):
+        return replace(self.inner.build(meta, kv_cache, layer), backend=self)
+
+    def forward(self, layer, q, k, v, meta, kv_cache, scale):
         self.inputs[layer] = (q.clone(), k.clone(), v.clone())
-        return self.cache.attend(layer, q, k, v, meta, scale)
+        return self.inner.forward(layer, q, k, v, meta, kv_cache, scale)
 
 
 def kivi_block_size(kv_cache_dtype: str, block_size: int) -> int:
@@ -164,13 +171,13 @@ def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | No
     return math.exp(total / count)
 
 
-def record_qkv(model, token_ids, block_size: int) -> RecordingCache:
+def record_qkv(model, token_ids, block_size: int) -> RecordingBackend:
     """Every layer's q, K, V for one sequence, from an fp32 cache."""
     import torch
 
     from radarlab.models.paged_runner import paged_prefill_logits
 
-    rec = RecordingCache(make_cache(model, Scheme(BASELINE, "fp32"), len(token_ids), block_size))
+    rec = RecordingBackend(make_cache(model, Scheme(BASELINE, "fp32"), len(token_ids), block_size))
     paged_prefill_logits(model, rec.cache, token_ids, logits_indices=torch.tensor([len(token_ids) - 1]), backend=rec)
     return rec
 
@@ -202,7 +209,7 @@ def calibrate_scales(model, chunks, block_size: int) -> dict:
     return out
 
 
-def attention_error(model, scheme: Scheme, rec: RecordingCache, block_size: int, reference: dict,
+def attention_error(model, scheme: Scheme, rec: RecordingBackend, block_size: int, reference: dict,
                     scales: dict | None = None) -> float:
     """Mean over layers of ||o - o_ref|| / ||o_ref|| for the recorded q, K, V; reference holds o_ref."""
     outs = attention_outputs(model, scheme, rec, block_size, scales)
@@ -210,7 +217,7 @@ def attention_error(model, scheme: Scheme, rec: RecordingCache, block_size: int,
     return sum(errs) / len(errs)
 
 
-def attention_outputs(model, scheme: Scheme, rec: RecordingCache, block_size: int, scales: dict | None = None
+def attention_outputs(model, scheme: Scheme, rec: RecordingBackend, block_size: int, scales: dict | None = None
                       ) -> dict:
     """Each layer's attention output when its recorded q, K, V go through a cache of the scheme's format."""
     from radarlab.models.paged_runner import prefill_metadata
@@ -219,7 +226,7 @@ def attention_outputs(model, scheme: Scheme, rec: RecordingCache, block_size: in
     cache = make_cache(model, scheme, num_tokens, block_size, scales)
     meta = prefill_metadata(cache, [0] * num_tokens)  # the token ids are not read here
     scale = model.config.head_dim ** -0.5
-    return {i: cache.attend(i, q, k, v, meta, scale).float() for i, (q, k, v) in sorted(rec.inputs.items())}
+    return {i: attention_forward(cache, i, q, k, v, meta, scale).float() for i, (q, k, v) in sorted(rec.inputs.items())}
 
 
 # --- bytes ------------------------------------------------------------------------------------------

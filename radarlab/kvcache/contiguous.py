@@ -1,14 +1,13 @@
 """The baseline cache: one preallocated row of max_len positions per sequence.
 
 This is what a naive server does: reserve the worst case up front. It is simple and fast to index,
-and it wastes every position a sequence never reaches (notebook 02 measures how much).
+and it wastes every position a sequence never reaches (notebook 02 measures how much). Attention
+over it is radarlab.attention.backends.contiguous_attn.
 """
 from __future__ import annotations
 
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
-from radarlab.attention.reference import attention_reference
 from radarlab.util import require_int
 
 
@@ -44,20 +43,6 @@ class ContiguousKVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
-
-    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write this step's K/V into each sequence's row, then attend over the row's prefix."""
-        if meta.cache_rows is None:
-            raise ValueError("ContiguousKVCache needs AttentionMetadata.cache_rows")
-        out = torch.empty_like(q)
-        bounds = meta.query_start_loc.tolist()
-        for b, (row, seq_len) in enumerate(zip(meta.cache_rows.tolist(), meta.seq_lens.tolist())):
-            if seq_len > self.max_len:
-                raise KVCacheFull(f"sequence {b} needs {seq_len} positions; the cache row holds {self.max_len}")
-            lo, hi = bounds[b], bounds[b + 1]
-            keys, values = append_to_row(self.k[layer], self.v[layer], row, seq_len, k[lo:hi], v[lo:hi])
-            out[lo:hi] = attention_reference(q[lo:hi], keys, values, scale)
-        return out
 
 
 def append_to_row(k_cache, v_cache, row: int, seq_len: int, k, v):

@@ -27,7 +27,7 @@ below quantized_length(t + 1), the 16-bit values beyond (radarlab.attention.refe
 attention_settled). A prefill then sees exactly what decoding its tokens one by one would have seen,
 and perplexity measured in one prefill is the perplexity of generation.
 
-Each step's plan is made once, when layer 0 writes (the model writes layers 0 .. L-1 in order): which
+Each step's plan is made once, before layer 0 (the attention backend's build, once per step): which
 groups the step touches, which tail each reads from, which are quantized now and which keep (or get)
 a tail. Tails come from a free list; a group whose first position is written afresh reuses the tail a
 previous owner of the block left. When the list runs dry, a tail no sequence of this step touches is
@@ -62,12 +62,12 @@ class KiviStore:
     """Every tensor and the tail bookkeeping of a KIVI-format PagedKVCache."""
 
     def __init__(self, fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device, num_tail_groups: int | None = None, backend: str = "torch") -> None:
+                 head_dim: int, device, num_tail_groups: int | None = None) -> None:
         g = fmt.group_size
         if block_size % g:
             raise ValueError(f"kivi groups of {g} tokens must divide block_size ({block_size}): a key group "
                              f"never straddles two blocks")
-        self.fmt, self.group, self.block_size, self.backend = fmt, g, block_size, backend
+        self.fmt, self.group, self.block_size = fmt, g, block_size
         self.num_groups = block_size // g
         L, N, B, H, D = num_layers, num_blocks, block_size, num_kv_heads, head_dim
         md = meta_dtype(fmt)
@@ -85,6 +85,7 @@ class KiviStore:
         self.tail_len = [0] * num_tail_groups
         self.free = list(range(num_tail_groups - 1, -1, -1))
         self.plan: dict | None = None
+        self.quantize_groups = None  # the step's group-write kernel (begin_step); None: the torch code
         self.fresh: tuple | None = None  # (layer, k [n, g, H, D], v): the last write's groups in 16-bit
 
     def block_tensors(self) -> list[torch.Tensor]:
@@ -99,8 +100,11 @@ class KiviStore:
         return len(self.free)
 
     # --- the plan of a step ---------------------------------------------------------------------
-    def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc) -> None:
-        """Decide, once per step, what every touched group reads, and where it goes."""
+    def begin_step(self, slot_mapping, block_tables, seq_lens, query_start_loc, quantize_groups=None) -> None:
+        """Decide, once per step, what every touched group reads, and where it goes. quantize_groups:
+        the attention backend's kernel for a group write (the Triton one), None for the torch code
+        here; the step's writes and early evictions use it."""
+        self.quantize_groups = quantize_groups
         g, B, R = self.group, self.block_size, self.fmt.residual
         tables = block_tables.tolist()
         bounds = query_start_loc.tolist()
@@ -184,7 +188,7 @@ class KiviStore:
         """This step's k, v [T, H, D] (rows in slot_mapping's order) into their groups, by the plan."""
         p = self.plan
         if p is None:
-            raise RuntimeError("kivi: write before begin_step (layer 0 plans each step)")
+            raise RuntimeError("kivi: write before begin_step (the attention backend's build plans each step)")
         n, (H, D) = p["blocks"].numel(), k.shape[1:]
         if n == 0:
             self.fresh = (layer, k.new_zeros(0, self.group, H, D).half(), k.new_zeros(0, self.group, H, D).half())
@@ -227,10 +231,8 @@ class KiviStore:
             return torch.gather(x, 1, pick[:, :, None, None].expand_as(x))
 
         ks, vs = fill(ks, first), fill(vs, torch.zeros_like(valid))
-        if self.backend == "triton":
-            from radarlab.attention.triton_quant import triton_kivi_quantize_groups
-
-            return triton_kivi_quantize_groups(self, layer, ks, vs, blocks, groups)
+        if self.quantize_groups is not None:  # the attention backend's kernel (the Triton one)
+            return self.quantize_groups(self, layer, ks, vs, blocks, groups)
         packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype,
                                                    self.fmt.int8_zeros)
         slots = self._rows(blocks, groups).reshape(-1)

@@ -12,7 +12,8 @@ Two indirections, with vLLM's names:
 - block tables (reads): block_tables[b, i] is the physical block holding sequence b's positions
   i*block_size .. (i+1)*block_size - 1.
 
-The cache does not choose blocks; the caller (the block manager, via AttentionMetadata) does.
+The cache does not choose blocks; the caller (the block manager, via AttentionMetadata) does. Nor
+does it attend: the attention backends (radarlab.attention.backends) write and read these tensors.
 
 Quantized caches (kv_cache_dtype, any name of radarlab.quant.formats): self.k / self.v hold the payload
 (FP8 codes, or two INT4 codes a byte) in the same block layout, and self.k_scales / self.k_zeros, where
@@ -28,61 +29,26 @@ beside the blocks (sink_store.py; torch backend).
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Iterable
 
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
-from radarlab.attention.layout import validate_block_tables, validate_slot_mapping
-from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
-from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.kvcache.kivi_store import KiviStore, default_tail_groups, tail_bytes
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES, SinkPool, SinkStore
 from radarlab.quant.formats import KVFormat, kv_format
-from radarlab.quant.kivi import quantized_length
-from radarlab.quant.kv_codec import (QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width,
-                                     zero_dtype)
-from radarlab.quant.rotation import rotate, rotation_matrix
+from radarlab.quant.kv_codec import QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width, zero_dtype
+from radarlab.quant.rotation import rotation_matrix
 from radarlab.util import require_int, require_power_of_two
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype: str | KVFormat = "auto",
-                      k_scale=1.0, v_scale=1.0, *, padded: bool = True) -> None:
-    """The KV write in torch: token t's k[t], v[t] ([kv_heads, D]) go to slot_mapping[t], -1 skipped.
-
-    Named after vLLM's op (the new K/V arrive as [T, kv_heads, D] and are "reshaped" into blocks),
-    with its kv_cache_dtype, k_scale and v_scale: an fp8 cache given as plain uint8 pools stores
-    encode(k / k_scale). Formats that keep scales beside the codes are written through QuantizedPool
-    pools (PagedKVCache passes them), which carry their own scales. The caller validates the slots;
-    padded=False says it also found no -1 among them (once per step), which spares every layer's
-    write a check that is a host sync on a GPU.
-    """
-    slots = slot_mapping.long()
-    if padded and bool((slots < 0).any()):
-        keep = slots >= 0
-        slots, k, v = slots[keep], k[keep], v[keep]
-    fmt = kv_format(kv_cache_dtype)
-    if fmt.is_quantized and not isinstance(k_cache, QuantizedPool):  # vLLM's form: raw pools and static scales
-        k_cache, v_cache = (QuantizedPool(fmt, k_cache, scale=k_scale, head_dim=k.shape[-1]),
-                            QuantizedPool(fmt, v_cache, scale=v_scale, head_dim=v.shape[-1]))
-    if isinstance(k_cache, QuantizedPool):
-        k_cache.write(k, slots)
-        v_cache.write(v, slots)
-        return
-    # A pool [num_blocks, block_size, ...] viewed as [num_slots, ...]: slot s is row s.
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k.to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v.to(v_cache.dtype)
-
-
 class PagedKVCache:
-    """K and V pools shaped [num_layers, num_blocks, block_size, num_kv_heads, head_dim].
+    """K and V pools shaped [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: storage only.
 
-    self.k[layer] is one layer's pool. backend picks how writes and attention run: "torch" (gather
-    the context's rows, then torch's fused SDPA; sdpa_paged.py) or "triton" (kernels that read the
-    blocks in place). cpu_ops (torch backend, fp32 or 16-bit pools on a CPU): the KV write and the
-    decodes' attention run as radarlab's C++ operators (radarlab.cpu_ops: reshape_and_cache, and the
-    paged decode kernel that reads the blocks in place); None: wherever they can be built.
+    self.k[layer] is one layer's pool. What writes and reads it is an attention backend
+    (radarlab.attention.backends, chosen from this cache's settings): backend "torch" (gather the
+    context's rows, then torch's fused SDPA) or "triton" (kernels that read the blocks in place).
+    cpu_ops (torch backend, fp32 or 16-bit pools on a CPU): the KV write and the decodes' attention run
+    as radarlab's C++ operators (radarlab.cpu_ops); None: wherever they can be built.
     """
 
     BACKENDS = ("torch", "triton")
@@ -122,7 +88,7 @@ class PagedKVCache:
         lead = (num_layers, num_blocks, block_size, num_kv_heads)
         if fmt.kind == "kivi":  # its own layout: key scales per group of tokens, 16-bit tails (kivi_store.py)
             self.kivi = KiviStore(fmt, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
-                                  num_tail_groups, backend)
+                                  num_tail_groups)
             self.k, self.v = self.kivi.k, self.kivi.v
             self.k_scales, self.v_scales = self.kivi.k_scales, self.kivi.v_scales
             self.k_zeros, self.v_zeros = self.kivi.k_zeros, self.kivi.v_zeros
@@ -221,12 +187,12 @@ class PagedKVCache:
         (fresh: KIVI's, with this step's groups as they were before quantizing)."""
         if not self.kv_format.is_quantized:
             return self.k[layer], self.v[layer]
-        pools = self.kivi.pools(layer, fresh) if fresh else self._encoded_pools(layer)
+        pools = self.kivi.pools(layer, fresh) if fresh else self.encoded_pools(layer)
         if self.sinks is not None:
             return tuple(SinkPool(p, self.sinks, layer, keys) for p, keys in zip(pools, (True, False)))
         return pools
 
-    def _encoded_pools(self, layer: int):
+    def encoded_pools(self, layer: int):
         if self.kivi is not None:
             return self.kivi.pools(layer)
         pick = (lambda t: None if t is None else t[layer])
@@ -236,43 +202,13 @@ class PagedKVCache:
                 QuantizedPool(self.kv_format, self.v[layer], pick(self.v_scales), pick(self.v_zeros),
                               scale(self.v_scale), self.head_dim))
 
-    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Store this step's k, v [T, kv_heads, D] of one layer at slot_mapping [T] (-1 = padding)."""
-        self._check_kv(layer, k, v)
-        if self.kivi is not None or self.sinks is not None:
-            raise ValueError(f"a {self.kv_format.name} cache is written by attend(): which groups a write "
-                             f"quantizes, and which tokens are a sequence's sink, depend on the step's block "
-                             f"tables and sequence lengths")
-        slot_mapping = slot_mapping.to(self.k.device)
-        validate_slot_mapping(slot_mapping, k.shape[0], self.num_slots)
-        self._write(layer, k, v, slot_mapping)
-
-    def _check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def check_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """This step's k, v of one layer must be [num_tokens, kv_heads, head_dim]: ValueError if not."""
         self._check_layer(layer)
         expected = (self.num_kv_heads, self.head_dim)
         if k.dim() != 3 or tuple(k.shape[1:]) != expected or v.shape != k.shape:
             raise ValueError(f"k and v must be [num_tokens, {expected[0]}, {expected[1]}]; got "
                              f"{tuple(k.shape)} and {tuple(v.shape)}")
-
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        if self.sinks is not None:
-            self.sinks.write(layer, k, v)
-        if self.kivi is not None:
-            self.kivi.write(layer, k, v)
-        elif self.kv_format.is_quantized:
-            k_pool, v_pool = self._encoded_pools(layer)
-            if self.backend == "triton":
-                from radarlab.attention.triton_quant import triton_quant_reshape_and_cache
-
-                triton_quant_reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, check=False)
-            else:
-                reshape_and_cache(k, v, k_pool, v_pool, slot_mapping, self.kv_format)
-        elif self.backend == "triton":
-            from radarlab.attention.triton_paged import triton_reshape_and_cache
-
-            triton_reshape_and_cache(k, v, self.k[layer], self.v[layer], slot_mapping, check=False)
-        else:
-            reshape_and_cache(k, v, self.k[layer], self.v[layer], slot_mapping)
 
     def copy_blocks(self, pairs: Iterable[tuple[int, int]]) -> None:
         """Copy-on-write: for each (src, dst), block dst becomes a copy of block src, in every layer.
@@ -303,82 +239,6 @@ class PagedKVCache:
     def geometry(self) -> tuple:
         """What a metadata is validated against: the pool's blocks, block size and device."""
         return (self.num_blocks, self.block_size, str(self.k.device))
-
-    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Validate a step's metadata against this pool once, before any layer writes, and return it
-        on the pool's device, stamped as checked for this pool's geometry and carrying the torch
-        path's per-step plan (radarlab.attention.sdpa_paged), so the layers only attend."""
-        if meta.slot_mapping is None or meta.block_tables is None:
-            missing = [n for n in ("slot_mapping", "block_tables") if getattr(meta, n) is None]
-            raise ValueError(f"PagedKVCache needs AttentionMetadata.{' and '.join(missing)}")
-        if meta.checked_for == self.geometry:
-            return meta if meta.plan is not None or self.backend != "torch" else self._with_plan(meta)
-        tensors = (meta.query_start_loc, meta.seq_lens, meta.slot_mapping, meta.block_tables)
-        if any(t.device != self.k.device for t in tensors):
-            meta = meta.to(self.k.device)  # the model runner builds it on the device already
-        validate_block_tables(meta.block_tables, meta.seq_lens, self.num_blocks, self.block_size)
-        validate_slot_mapping(meta.slot_mapping, meta.num_tokens, self.num_slots)
-        meta = replace(meta, checked_for=self.geometry)
-        return self._with_plan(meta) if self.backend == "torch" else meta
-
-    def _with_plan(self, meta: AttentionMetadata) -> AttentionMetadata:
-        return replace(meta, plan=plan_paged_sdpa(meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                                  self.block_size, meta.slot_mapping,
-                                                  decode_kernel=self.cpu_ops))
-
-    def attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write this step's K/V at meta.slot_mapping, then attend over meta.block_tables.
-
-        The model runner passes metadata from prepare(), checked once per step; anything else is
-        checked here, in every layer."""
-        self._check_kv(layer, k, v)
-        meta = self.prepare(meta)
-        if self.rotation is None:
-            return self._attend(layer, q, k, v, meta, scale)
-        q, k = rotate(q, self.rotation), rotate(k, self.rotation)
-        if not self.kv_format.rotate_values:
-            return self._attend(layer, q, k, v, meta, scale)
-        out = self._attend(layer, q, k, rotate(v, self.rotation), meta, scale)
-        return rotate(out, self.rotation.T)  # o' = softmax(.) (V R), so o = o' R^T, per head
-
-    def _attend(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.kv_format.is_quantized:
-            return self._attend_quantized(layer, q, k, v, meta, scale)
-        if self.backend == "triton":
-            from radarlab.attention.triton_paged import triton_paged_attention
-
-            self._write(layer, k, v, meta.slot_mapping)
-            return triton_paged_attention(q, self.k[layer], self.v[layer], meta.block_tables, meta.seq_lens,
-                                          meta.query_start_loc, scale, check=False)
-        # The torch path: SDPA over gathered rows (sdpa_paged.py), equal to paged_attention_torch. The
-        # step's plan knows whether any slot is padding, so no layer's write has to look.
-        if self.cpu_ops:
-            load_cpu_ops().reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping)
-        else:
-            reshape_and_cache(k, v, self.k[layer], self.v[layer], meta.slot_mapping, padded=meta.plan.padded)
-        return paged_attention_sdpa(q, self.k[layer], self.v[layer], meta.plan, scale)
-
-    def _attend_quantized(self, layer: int, q, k, v, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        """Write (quantizing), attend dequantizing block by block."""
-        if layer == 0:  # one plan per step: layers run 0 .. L-1 in order
-            for store in (self.kivi, self.sinks):
-                if store is not None:
-                    store.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
-        self._write(layer, k, v, meta.slot_mapping)
-        if self.backend == "triton":  # KIVI's pools carry this step's 16-bit groups: the settled-prefix rule
-            from radarlab.attention.triton_quant import triton_quant_paged_attention
-
-            k_pool, v_pool = self.layer_pools(layer, fresh=self.kivi is not None)
-            return triton_quant_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
-                                                meta.query_start_loc, scale, check=False)
-        k_pool, v_pool = self.layer_pools(layer)
-        settling = None
-        if self.kivi is not None:  # a query reads what it would have read as the newest token
-            fmt = self.kv_format
-            settling = (*self.layer_pools(layer, fresh=True),
-                        lambda n: quantized_length(n, fmt.group_size, fmt.residual))
-        return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, check=False, settling=settling)
 
     def _check_layer(self, layer: int) -> None:
         if not 0 <= layer < self.num_layers:

@@ -273,7 +273,7 @@ def _check_store_kv(b: PagedBatch, device) -> tuple[float, float, float]:
     """triton_reshape_and_cache against the torch write, on two copies of one pool: the pools after
     the write must be identical (a copy has no rounding). The new K/V go to the query tokens' slots."""
     from radarlab.attention.triton_paged import triton_reshape_and_cache
-    from radarlab.kvcache.paged_cache import reshape_and_cache
+    from radarlab.attention.kv_write import reshape_and_cache
 
     slots = b.slot_mapping()
     gen = torch.Generator(device=device).manual_seed(1)

@@ -12,24 +12,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module  # its global hook registries
 
+from radarlab.attention.backends import attention_forward
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.models.linear import Linear, PackedWeight, fused_linear
 from radarlab.util import require_int
 
 SUPPORTED_MODEL_TYPES = {"llama"}
-
-
-class KVCacheBackend(Protocol):
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -149,7 +144,7 @@ class Attention(nn.Module):
         self.qkv_packed = PackedWeight()  # q, k and v stacked, for one GEMM (radarlab.models.linear)
         self.scale = config.head_dim ** -0.5
 
-    def forward(self, x, cos, sin, kv_cache: KVCacheBackend, meta: AttentionMetadata, ops=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, ops=None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
@@ -158,7 +153,7 @@ class Attention(nn.Module):
         else:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        out = kv_cache.attend(self.layer, q, k, v, meta, self.scale)
+        out = attention_forward(kv_cache, self.layer, q, k, v, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -270,7 +265,7 @@ class Llama(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: KVCacheBackend,
+        kv_cache,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:

@@ -17,6 +17,7 @@ from typing import Hashable, Sequence as SequenceType
 
 import torch
 
+from radarlab.attention.backends import build_metadata
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.util import cdiv
 from radarlab.kvcache.block_table import BlockSpaceManager
@@ -73,7 +74,7 @@ def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: Seq
     if num_scheduled_tokens is None:
         num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
     device = cache.k.device
-    meta = cache.prepare(paged_metadata(manager, seqs, num_computed_tokens, num_scheduled_tokens, device))
+    meta = build_metadata(cache, paged_metadata(manager, seqs, num_computed_tokens, num_scheduled_tokens, device))
     ids = [t for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens)
            for t in s.all_token_ids[done:done + n]]
     last = meta.query_start_loc[1:] - 1
@@ -155,13 +156,13 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
     return [list(s.output_token_ids) for s in seqs]
 
 
-def prefill_metadata(cache: PagedKVCache, token_ids: SequenceType[int]) -> AttentionMetadata:
+def prefill_metadata(cache: PagedKVCache, token_ids: SequenceType[int], backend=None) -> AttentionMetadata:
     """The metadata of one step that prefills one sequence from an empty pool (a fresh block manager
-    over the pool's blocks), checked against the pool."""
+    over the pool's blocks), built by `backend` (default: the cache's, radarlab.attention.backends)."""
     manager = BlockSpaceManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
     seq = Sequence(0, list(token_ids), cache.block_size)
     manager.allocate(seq)  # NoFreeBlocks when the pool is too small for the sequence
-    return cache.prepare(paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device))
+    return build_metadata(cache, paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device), backend)
 
 
 @torch.inference_mode()
@@ -169,8 +170,8 @@ def paged_prefill_logits(model, cache: PagedKVCache, token_ids: SequenceType[int
                          logits_indices: torch.Tensor | None = None, backend=None) -> torch.Tensor:
     """Logits of one sequence prefilled in one step from a pool of its own (teacher forcing: perplexity,
     logprobs): every row, or those in logits_indices. Each layer writes its K/V into the pool, in the
-    pool's format, and attends over what the pool gives back, so a quantized cache counts. backend
-    (default: the cache) is what the layers call, e.g. a wrapper that records their inputs."""
-    meta = prefill_metadata(cache, token_ids)
+    pool's format, and attends over what the pool gives back, so a quantized cache counts. backend:
+    the attention backend every layer runs (default: the cache's), e.g. one that records its inputs."""
+    meta = prefill_metadata(cache, token_ids, backend)
     ids = torch.tensor(list(token_ids), device=cache.k.device)
-    return model(ids, meta.positions, cache if backend is None else backend, meta, logits_indices=logits_indices)
+    return model(ids, meta.positions, cache, meta, logits_indices=logits_indices)

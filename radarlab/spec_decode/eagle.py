@@ -23,6 +23,7 @@ from typing import Hashable, Sequence as SequenceType
 
 import torch
 
+from radarlab.attention.backends import build_metadata
 from radarlab.sample.sampler import probabilities
 from radarlab.models.paged_runner import paged_metadata
 from radarlab.spec_decode.draft_head import DraftHead, draft_chain
@@ -140,5 +141,5 @@ class EagleProposer(DraftModelProposer):
         return [Proposal(d, torch.stack(p) if p else None) for d, p in zip(drafts, probs)]
 
     def _meta(self, seqs, num_computed, num_scheduled):
-        return self.cache.prepare(paged_metadata(self.manager, seqs, num_computed, num_scheduled,
+        return build_metadata(self.cache, paged_metadata(self.manager, seqs, num_computed, num_scheduled,
                                                  self.cache.k.device))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from radarlab.attention.metadata import AttentionMetadata
 from radarlab.models.llama import final_features
 from radarlab.util import require_int
 
@@ -53,11 +54,14 @@ def token_chunks(tokenizer, files: list[Path], seq_len: int) -> torch.Tensor:
 
 
 class CausalBatch:
-    """A KV backend for one prefill of B equal-length sequences packed as [B*L]: causal SDPA, no cache.
-    meta is the batch size B."""
+    """An attention backend for one prefill of B equal-length sequences packed as [B*L]: causal SDPA,
+    nothing cached (kv_cache is None)."""
 
-    def attend(self, layer, q, k, v, meta: int, scale: float) -> torch.Tensor:
-        b = meta
+    def is_built(self, meta: AttentionMetadata, kv_cache) -> bool:
+        return meta.backend is self
+
+    def forward(self, layer, q, k, v, meta: AttentionMetadata, kv_cache, scale: float) -> torch.Tensor:
+        b = meta.num_seqs
         t, h, d = q.shape
         hkv = k.shape[1]
         q, k, v = (x.view(b, t // b, x.shape[1], d).transpose(1, 2) for x in (q, k, v))
@@ -72,7 +76,8 @@ def target_features_batch(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     """ids [B, L] -> (features [B, L, hidden], greedy next tokens [B, L]) of the target."""
     b, length = ids.shape
     positions = torch.arange(length).repeat(b)
-    f = final_features(model, ids.reshape(-1), positions, CausalBatch(), b)
+    meta = AttentionMetadata.from_lens([length] * b, [length] * b, backend=CausalBatch())
+    f = final_features(model, ids.reshape(-1), positions, None, meta)
     greedy = model.lm_head(f).argmax(-1)
     return f.view(b, length, -1), greedy.view(b, length)
 

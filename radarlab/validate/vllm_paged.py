@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from radarlab.attention.backends import write_kv
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import cpu_kind
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
@@ -159,7 +160,7 @@ def our_attention(case: dict, backend: str = "torch") -> torch.Tensor:
     q, key = case["query"], case["key"]
     cache = PagedKVCache(1, case["num_blocks"], key.shape[1], key.shape[2], case["block_size"], dtype=key.dtype,
                          backend=backend)
-    cache.write(0, key, case["value"], case["slot_mapping"])
+    write_kv(cache, 0, key, case["value"], case["slot_mapping"])
     args = (q, cache.k[0], cache.v[0], case["block_table"], case["seq_lens"], case["query_start_loc"], case["scale"])
     if backend == "triton":
         from radarlab.attention.triton_paged import triton_paged_attention
