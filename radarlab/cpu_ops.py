@@ -64,11 +64,11 @@ def _build():
     radarlab namespace only once, and a failed build is not retried at every call."""
     from torch.utils import cpp_extension
 
-    from radarlab.hardware.machine import cpu_kind
+    from radarlab.hardware.machine import cpu_flags, cpu_kind
     from radarlab.models.loader import cache_dir
 
     march = os.environ.get("RADARLAB_CPU_MARCH", "native")
-    name = f"radarlab_cpu_ops_{march}_{cpu_kind()}".replace("-", "_")
+    name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")  # the real CPU, never an override
     build = cache_dir() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     _ensure_ninja_on_path()
