@@ -63,7 +63,7 @@ figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
 
 # Benchmarks write JSON under bench-results/ (ignored by git); compare ratios within one run.
-# results/ keeps the runs notebook 05 reads (copied from bench-results/ on a quiet machine).
+# results/ keeps the runs the notebooks read (copied from bench-results/ on a quiet machine; results/README.md).
 bench: setup model vllm
 	mkdir -p bench-results
 	$(VPY) -m radarlab.bench memory --json bench-results/memory.json

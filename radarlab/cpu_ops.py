@@ -9,7 +9,9 @@ torch.ops.radarlab.* (a few seconds with gcc or clang and ninja).
 The build is for the CPU at hand (-march=native: AVX-512 where the CPU has it, AVX2 where not;
 RADARLAB_CPU_MARCH=haswell, say, builds for another) and is cached under $RADARLAB_CACHE/kernels, per
 CPU kind and -march. Where it cannot be built, callers keep their
-torch code (the reference every op is tested against) and a warning says why, once.
+torch code (the reference every op is tested against) and a warning says why, once. The compiler is
+$CXX, else the first of c++, g++, clang++ on PATH (find_compiler); where one exists the build is
+expected to work, and the tests fail, rather than skip, when it does not.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ SOURCES = ("paged_decode.cpp", "cache_ops.cpp", "layernorm.cpp", "activation.cpp
 # -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
 # kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+COMPILERS = ("c++", "g++", "clang++")  # looked for on PATH in this order where $CXX is not set
 
 
 class CpuOpsUnavailable(RuntimeError):
@@ -53,6 +56,16 @@ def cpu_ops_available(device: str | torch.device = "cpu", warn: bool = True) -> 
     return ops is not None
 
 
+def find_compiler() -> str | None:
+    """The C++ compiler's path: $CXX where it names one on PATH, else the first of COMPILERS there;
+    None where there is none, the one place a failed build is expected."""
+    for name in (os.environ.get("CXX"), *COMPILERS):
+        path = shutil.which(name) if name else None
+        if path:
+            return path
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def _warn_once(reason: str) -> None:
     warnings.warn(f"{reason}. radarlab keeps its torch code for these operators.", stacklevel=3)
@@ -64,19 +77,32 @@ def _build():
     radarlab namespace only once, and a failed build is not retried at every call."""
     from torch.utils import cpp_extension
 
-    from radarlab.device import cpu_kind
+    from radarlab.device import cpu_flags, cpu_kind
     from radarlab.util import cache_dir
 
+    compiler = find_compiler()
+    if compiler is None:
+        return None, (f"could not build radarlab's C++ operators: no C++ compiler on PATH "
+                      f"({', '.join(COMPILERS)}; or set CXX)")
     march = os.environ.get("RADARLAB_CPU_MARCH", "native")
-    name = f"radarlab_cpu_ops_{march}_{cpu_kind()}".replace("-", "_")
+    name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")  # the real CPU, never an override
     build = cache_dir() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     _ensure_ninja_on_path()
+    # torch builds with $CXX, else c++: where neither exists, it is given the compiler found
+    lend = os.environ.get("CXX") is None and shutil.which("c++") is None
+    if lend:
+        os.environ["CXX"] = compiler
     try:
         cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=[*CFLAGS, f"-march={march}"],
                            build_directory=str(build), is_python_module=False, verbose=False)
-    except Exception as err:  # no compiler, no ninja, no headers: the reason is in the message
-        return None, f"could not build radarlab's C++ operators ({', '.join(SOURCES)}): {type(err).__name__}: {err}"
+    except Exception as err:  # no ninja, no headers, a compile error: the reason is in the message
+        used = os.environ.get("CXX") or compiler
+        return None, (f"could not build radarlab's C++ operators ({', '.join(SOURCES)}) with {used}: "
+                      f"{type(err).__name__}: {err}")
+    finally:
+        if lend:
+            del os.environ["CXX"]
     return torch.ops.radarlab, None
 
 

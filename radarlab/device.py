@@ -147,9 +147,27 @@ def flags_and_arch(flags: dict[str, bool] | None, arch: str | None) -> tuple[dic
     return flags, cpu_arch() if arch is None else cpu_arch(arch)
 
 
+def cpu_kinds() -> tuple[str, ...]:
+    """Every kind cpu_kind() names on the architectures vLLM's CPU build supports: x86's from the least
+    to the most instructions, then the other architectures. Kept results are named after these
+    (results/throughput-KIND.json), and tests run each notebook's choice of a kept run for each one."""
+    return ("x86_64", "avx2", "avx512", "avx512_bf16", "avx512_bf16_amx",
+            *sorted(set(_ARCH_ALIASES.values()) - {"x86_64"}))
+
+
 def cpu_kind(flags: dict[str, bool] | None = None, arch: str | None = None) -> str:
     """One word for the CPU's class, as far as vLLM's CPU kernels care: "avx2", "avx512",
-    "avx512_bf16", "avx512_bf16_amx" on x86 ("x86_64" below AVX2), the architecture elsewhere."""
+    "avx512_bf16", "avx512_bf16_amx" on x86 ("x86_64" below AVX2), the architecture elsewhere.
+
+    Asked about this machine (no flags, no arch), it answers $RADARLAB_CPU_KIND where that is set to
+    one of cpu_kinds(): a way to see what the notebooks show on another kind of CPU, since they pick
+    their kept runs by kind. environment() and the C++ build pass the real flags, so the JSON a run
+    writes and the compiled code stay this machine's."""
+    if flags is None and arch is None and os.environ.get("RADARLAB_CPU_KIND"):
+        forced = os.environ["RADARLAB_CPU_KIND"]
+        if forced not in cpu_kinds():
+            raise ValueError(f"RADARLAB_CPU_KIND must be one of {list(cpu_kinds())}, got {forced!r}")
+        return forced
     flags, arch = flags_and_arch(flags, arch)
     if arch != "x86_64":
         return arch

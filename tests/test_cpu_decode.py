@@ -18,11 +18,19 @@ import torch
 
 from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
-from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
+from radarlab.cpu_ops import load_cpu_ops
 from radarlab.device import cpu_arch, cpu_flags
+from cpu_ops_build import built_or_fail, needs_compiler
 from test_paged_attention import TOL, make_case, max_error
 
-pytestmark = pytest.mark.skipif(not cpu_ops_available(warn=False), reason="radarlab's C++ operators cannot be built here")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops():
+    """Every test here needs the build; where a compiler exists, a failed build fails them all."""
+    return built_or_fail()
+
 
 DECODES = [1, 5, 16, 23, 40]  # one token, exactly a block of 16, lengths that are not multiples
 # (query heads, KV heads, head_dim): the course model's (GQA 3, 64), 128, no GQA, GQA 4, and sizes

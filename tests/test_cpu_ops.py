@@ -10,10 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from radarlab.cpu_ops import CpuOpsUnavailable, cpu_ops_available, load_cpu_ops
+import radarlab.cpu_ops as cpu_ops_module
+from radarlab.cpu_ops import CpuOpsUnavailable, find_compiler, load_cpu_ops
 from radarlab.models.llama import RMSNorm, apply_rope
+from cpu_ops_build import built_or_fail, needs_compiler
 
-pytestmark = pytest.mark.skipif(not cpu_ops_available(warn=False), reason="radarlab's C++ operators cannot be built here")
+pytestmark = needs_compiler
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_ops():
+    """Every test here needs the build; where a compiler exists, a failed build fails them all."""
+    return built_or_fail()
+
+
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
@@ -173,3 +183,44 @@ def test_a_forward_hook_sees_the_tensors_of_the_torch_code(model):
         assert model.cpu_ops(torch.zeros(1)) is not None  # hooks gone: the operators again
     assert torch.equal(seen_k[0], want_k)  # un-rotated, as k_proj returned it
     assert torch.equal(seen_layer[0], seen_layer[1])  # layer 0's output, as held, was not changed by layer 1
+
+
+# --- where the build is expected: a compiler on PATH --------------------------------------------
+def _fake_compiler(folder, name):
+    path = folder / name
+    path.write_text("#!/bin/sh\nexit 1\n")
+    path.chmod(0o755)
+    return path
+
+
+def test_find_compiler_takes_cxx_then_the_first_on_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    assert find_compiler() is None
+    clang = _fake_compiler(tmp_path, "clang++")
+    assert find_compiler() == str(clang)
+    gxx = _fake_compiler(tmp_path, "g++")
+    assert find_compiler() == str(gxx)  # g++ before clang++, as COMPILERS orders them
+    monkeypatch.setenv("CXX", "clang++")
+    assert find_compiler() == str(clang)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    assert find_compiler() == str(gxx)
+
+
+def test_no_compiler_says_so_without_trying_to_build(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CXX", raising=False)
+    ops, reason = cpu_ops_module._build.__wrapped__()  # the uncached body: this process's build stays
+    assert ops is None and "no C++ compiler on PATH" in reason and "g++" in reason
+
+
+def test_a_failed_build_is_a_failure_where_a_compiler_exists(tmp_path, monkeypatch):
+    """The rule of this file and test_cpu_decode.py: skip only without a compiler."""
+    import cpu_ops_build
+
+    def broken():
+        raise CpuOpsUnavailable("could not build radarlab's C++ operators: error: expected ';'")
+
+    monkeypatch.setattr(cpu_ops_build, "load_cpu_ops", broken)
+    with pytest.raises(pytest.fail.Exception, match="must build: .*expected ';'"):
+        cpu_ops_build.built_or_fail()

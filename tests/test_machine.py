@@ -11,7 +11,7 @@ import json
 import pytest
 
 from radarlab import device
-from radarlab.device import X86_FLAGS, cpu_arch, cpu_flags, cpu_kind, cpu_model, parse_cpuinfo
+from radarlab.device import X86_FLAGS, cpu_arch, cpu_flags, cpu_kind, cpu_kinds, cpu_model, parse_cpuinfo
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, environment, isa_missing
 from radarlab.validate import vllm_worker
 
@@ -131,3 +131,29 @@ def test_environment_names_the_cpu():
     assert {"radarlab", "python", "torch", "device", "cpu_model", "cpu_kind", "cpu_flags", "attention_isas"} <= set(env)
     assert env["cpu_kind"] == cpu_kind() and env["cpu_flags"] == cpu_flags()
     json.dumps(env)  # goes into every benchmark's JSON as it is
+
+
+def test_cpu_kinds_name_every_answer_of_cpu_kind():
+    """Kept results are named after cpu_kinds(), and the notebooks' choice of one is tested for each: every
+    flag combination on x86, and every architecture vLLM's CPU build knows, answers one of them."""
+    from itertools import product
+
+    answers = {cpu_kind(dict(zip(X86_FLAGS, bits)), "x86_64") for bits in product((False, True), repeat=len(X86_FLAGS))}
+    answers |= {cpu_kind({}, arch) for arch in ("aarch64", "arm64", "s390x", "ppc64le", "riscv64")}
+    assert answers == set(cpu_kinds()) and len(cpu_kinds()) == len(set(cpu_kinds()))
+
+
+def test_radarlab_cpu_kind_stands_in_for_this_machine_only(monkeypatch):
+    """The override answers for this machine (what the notebooks ask), not for given flags, and never
+    reaches the environment a run records."""
+    real = cpu_kind()
+    other = "avx2" if real != "avx2" else "avx512"
+    monkeypatch.setenv("RADARLAB_CPU_KIND", other)
+    assert cpu_kind() == other
+    assert cpu_kind(cpu_flags(AMX), "x86_64") == "avx512_bf16_amx"
+    assert cpu_kind(cpu_flags()) == real and environment()["cpu_kind"] == real
+    monkeypatch.setenv("RADARLAB_CPU_KIND", "pentium")
+    with pytest.raises(ValueError, match="RADARLAB_CPU_KIND must be one of .*'avx2'.*got 'pentium'"):
+        cpu_kind()
+    monkeypatch.setenv("RADARLAB_CPU_KIND", "")
+    assert cpu_kind() == real

@@ -28,6 +28,7 @@ import argparse
 import math
 import time
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 from radarlab.attention.backends import attention_forward, get_attn_backend
 from radarlab.util import cdiv, require_int
@@ -373,6 +374,44 @@ def format_table(doc: dict) -> str:
         for c in doc["concurrency"]:
             lines.append(f"{c['kv_cache_dtype']:<24} {c['num_blocks']:>7} {c['max_running']:>12} "
                          f"{c['mean_running']:>6.2f} {c['preemptions']:>8} {c['output_tokens_per_s']:>8.1f}")
+    return "\n".join(lines)
+
+
+def fp8_rows(doc: dict) -> list[dict]:
+    """The schemes notebook 06 is about: fp32, the 16-bit caches and every FP8 variant."""
+    return [r for r in doc["schemes"] if r["kv_cache_dtype"].startswith(("fp8", "float", "bfloat", "fp32"))]
+
+
+def format_fp8_full_run(path: Path, doc: dict) -> str:
+    """A kept run (results/quant.json) as notebook 06 shows it: where it ran, its FP8 rows and its
+    concurrency rows."""
+    env, conf = doc["environment"], doc["config"]
+    lines = [f"{path.name}: {conf['num_chunks']} chunks x {conf['chunk_len']} tokens of {doc['corpus']['name']}; "
+             f"machine: {env['device']} ({env['device_name']}, {env['cpu_model']})",
+             f"{'scheme':<52}{'bits':>6}{'saving':>8}{'perplexity':>12}{'change':>9}{'attn err':>10}"]
+    for r in fp8_rows(doc):
+        change = "-" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
+        saving = "-" if r["kv_cache_dtype"] == "fp32" else f"{r['saving']:.0%}"
+        lines.append(f"{r['name']:<52}{r['bits']:>6.3g}{saving:>8}{r['ppl']:>12.4f}{change:>9}{r['attn_err']:>10.2e}")
+    for c in doc["concurrency"]:
+        lines.append(f"concurrency {c['kv_cache_dtype']:<12} {c['num_blocks']:>5} blocks, at most {c['max_running']} "
+                     f"running, {c['mean_running']:.2f} on average, {c['output_tokens_per_s']:.1f} tokens/s")
+    return "\n".join(lines)
+
+
+def format_kept_source(path: Path, doc: dict) -> str:
+    """Notebook 07's line naming a kept run: the file, its size and the machine."""
+    env = doc["environment"]
+    return (f"{path.parent.name}/{path.name}: {doc['config']['num_chunks']} x {doc['config']['chunk_len']} tokens "
+            f"on {env['device']} ({env['cpu_model']})")
+
+
+def format_pareto_rows(rows: list[dict]) -> str:
+    """Notebook 07's table of perplexity against bytes, for a kept run's schemes or its live ones."""
+    lines = [f"{'scheme':<46} {'bits':>5} {'bytes/token':>12} {'saving':>7} {'ppl':>8} {'change':>8}"]
+    for r in rows:
+        lines.append(f"{r['name']:<46} {r['bits']:>5.3g} {r['kv_bytes_per_token_at_len']:>12.0f} "
+                     f"{r['saving_at_len']:>7.1%} {r['ppl']:>8.3f} {r['ppl_delta_pct']:>+7.2f}%")
     return "\n".join(lines)
 
 

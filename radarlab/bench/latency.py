@@ -497,6 +497,24 @@ def format_table(results: list[dict], key: str = "rate") -> str:
     return "\n".join([header(key)] + [format_row(r, key) for r in results])
 
 
+def format_full_run(doc: dict) -> str:
+    """A kept sweep (results/latency.json) as notebook 05 shows it: the workload, the machine and its
+    load while the sweep ran (every timing depends on it), then both tables."""
+    params, env = doc["parameters"], doc["environment"]
+    load = env["load_average"]
+    return "\n".join([
+        f"full sweep: {params['num_requests']} requests per rate, prompts of {params['prompt_len_range'][0]} to "
+        f"{params['prompt_len_range'][1]} tokens, {params['output_len']} new tokens each, {params['dtype']}, "
+        f"max_num_seqs {params['max_num_seqs']}, max_num_batched_tokens {params['max_num_batched_tokens']}",
+        f"machine: {env['device']} ({env['device_name']}, {env['platform']}), {env['cpu_count']} cores "
+        f"shared with other work, {params['torch_threads']} torch thread(s); 1-minute load average "
+        f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end, {load['wall_s'] / 60:.0f} min",
+        format_table(doc["results"]),
+        f"\ntoken budget sweep at {params['budget_sweep_rate_req_s']:g} requests/s:",
+        format_table(doc["budget_sweep"], key="max_num_batched_tokens"),
+    ])
+
+
 # --- command line --------------------------------------------------------------------------------
 
 def default_scale() -> tuple[tuple[float, ...], int, float]:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
-from radarlab.bench.report import comma_ints, comma_names
+from radarlab.bench.report import choose_kept_run, comma_ints, comma_names
 from radarlab.util import require_int
 from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
 
@@ -225,6 +226,62 @@ def format_table(doc: dict) -> str:
                 text += f" ({ups[(system, method, workload, b)]:.2f}x) [{r['acceptance_rate'] or 0:.2f}]"
             cells.append(f"{text:>24}")
         lines.append(f"{system + ' ' + method + ' ' + workload:<52}" + "".join(cells))
+    return "\n".join(lines)
+
+
+def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, dict | None, str | None]:
+    """(path, doc, sentence): the run notebooks 08 and 09 show on a CPU of this kind, this kind's
+    results/spec-KIND.json or another kind's (radarlab.bench.report.choose_kept_run). The sentence,
+    None for this kind's own run, says whose run it is and that only its speedups compare."""
+    return choose_kept_run("spec", kind, "speculative-decoding",
+                           f"`python -m radarlab.bench spec --json results/spec-{kind}.json`, on a quiet machine, "
+                           f"writes one for this CPU.", folder)
+
+
+def format_ngram_speedups(path: Path, doc: dict) -> str:
+    """Notebook 08's lines: the n-gram's speedup over plain decoding per system, workload and batch size."""
+    lines = [f"{path.name}: n-gram speedup over plain decoding, same system, same run "
+             f"({doc['environment']['device']})"]
+    lines += [f"  {u['system']:8s} {u['workload']:4s} batch {u['batch_size']:3d}: {u['speedup']:.2f}x"
+              for u in doc["speedups"] if u["method"] == "ngram"]
+    return "\n".join(lines)
+
+
+def speedup_curves(doc: dict) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
+    """(system, method, workload) -> [(batch size, tokens/s over the same system's plain decoding)],
+    from the result rows (notebook 09's table and plot)."""
+    tps = {(r["system"], r["method"], r["workload"], r["batch_size"]): r["tokens_per_s"] for r in doc["results"]}
+    curves: dict = {}
+    for (system, method, workload, b), v in tps.items():
+        base = tps.get((system, "none", workload, b))
+        if method != "none" and base:
+            curves.setdefault((system, method, workload), []).append((b, v / base))
+    return curves
+
+
+def format_run_header(path: Path, doc: dict) -> str:
+    """Notebook 09's line above the speedups: the CPU, threads, request length and batch sizes of the run."""
+    env, par = doc["environment"], doc["parameters"]
+    return (f"{path.name}: {env['cpu_model']}, {env['torch_threads']} thread(s), {par['max_tokens']} tokens a "
+            f"request, batch sizes {par['batch_sizes']}")
+
+
+def format_speedup_curves(doc: dict) -> str:
+    """Notebook 09's table: each method's speedup by batch size, and its acceptance (accepted draft tokens
+    over draft tokens) at the smallest batch."""
+    curves = speedup_curves(doc)
+    if not curves:
+        return "this run has no speculative rows (methods other than none)"
+    smallest = min(doc["parameters"]["batch_sizes"])
+    acceptance = {(r["system"], r["method"], r["workload"]): r["acceptance_rate"] for r in doc["results"]
+                  if r["method"] != "none" and r["batch_size"] == smallest}
+    batches = sorted({b for pts in curves.values() for b, _ in pts})
+    lines = [f"{'system':<9} {'method':<6} {'workload':<8} " + "  ".join(f"B={b:<4}" for b in batches)]
+    for (system, method, workload), pts in sorted(curves.items()):
+        pts = dict(pts)
+        lines.append(f"{system:<9} {method:<6} {workload:<8} "
+                     + "  ".join(f"{pts[b]:5.2f}x" if b in pts else "   -  " for b in batches)
+                     + f"   acceptance {acceptance.get((system, method, workload)) or 0:.2f}")
     return "\n".join(lines)
 
 

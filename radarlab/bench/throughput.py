@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from radarlab.bench.report import comma_ints, comma_names
+from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, results_dir
 from radarlab.lab.workload import random_token_prompts
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.util import require_int
@@ -44,7 +44,38 @@ def results_path(kind: str) -> Path:
     One file per kind, since the ratios depend on the instructions the CPU has (bf16 above all)."""
     if not kind or not kind.replace("_", "").isalnum():
         raise ValueError(f"kind must be a CPU kind such as 'avx2' or 'avx512_bf16', got {kind!r}")
-    return Path(__file__).resolve().parents[2] / "results" / f"throughput-{kind}.json"
+    return results_dir() / f"throughput-{kind}.json"
+
+
+def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, dict | None, str | None]:
+    """(path, doc, sentence): the full run notebook 05 shows on a CPU of this kind, this kind's
+    results/throughput-KIND.json or another kind's (radarlab.bench.report.choose_kept_run). The
+    sentence, None for this kind's own run, says whose run it is and that only its ratios compare."""
+    results_path(kind)  # a bad kind raises here, not as a missing file
+    return choose_kept_run("throughput", kind, "full throughput",
+                           f"`make bench` writes one for this CPU to bench-results/ (kept as "
+                           f"results/throughput-{kind}.json).", folder)
+
+
+def format_run_header(path: Path, doc: dict) -> str:
+    """The line above a kept run's table: the machine and versions it ran with."""
+    env = doc["environment"]
+    vllm = env.get("vllm_vllm_version") or "not run"
+    return (f"full run ({path.name}): {env['cpu_model']}, kind {env['cpu_kind']}, radarlab {env['radarlab']}, "
+            f"torch {env['torch']} with {env['torch_threads']} threads ({env['cpu_capability']}, native bf16: "
+            f"{env['cpu_native_bf16']}), vLLM {vllm}")
+
+
+def format_ratios(path: Path, doc: dict) -> str:
+    """One line per (dtype, batch size) of a kept run: radarlab over the other systems (notebook 05's summary)."""
+    lines = []
+    for row in doc["ratios"]:
+        parts = [f"radarlab / {label} {row[key]:.2f}x" for key, label in
+                 (("radarlab_over_transformers", "transformers"), ("radarlab_over_vllm", "vLLM")) if key in row]
+        own = row.get("radarlab_over_radarlab_torch")
+        lines.append(f"throughput ({path.name}), {row['dtype']} batch {row['batch_size']}: " + ", ".join(parts)
+                     + (f", C++ operators on / off {own:.2f}x" if own else ""))
+    return "\n".join(lines)
 
 
 def dtype_notes(native_bf16: bool | None) -> dict[str, str]:

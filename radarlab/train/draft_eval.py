@@ -292,6 +292,48 @@ def vllm_comparison(target, prompts, reference, head_dir, head, k: int, max_new_
     return row
 
 
+def replay_rows(doc: dict) -> dict[tuple[str, int], dict]:
+    """(method, k) -> the replayed row of a kept evaluation (results/draft_eval.json)."""
+    return {(r["method"], r["k"]): r for r in doc["results"] if r.get("mode") == "replay"}
+
+
+def format_replay_table(doc: dict, methods) -> str:
+    """Notebook 09's table of a kept evaluation: per method and k, the first draft token's acceptance
+    and the tokens each verify step emits, beside the theory for one acceptance rate a (the method's
+    k = 1 run); then the draft's cost ratio."""
+    from radarlab.spec_decode import theory
+
+    rows = replay_rows(doc)
+    ks = sorted({k for _, k in rows})
+    a_of = {m: rows[m, 1]["first_token_acceptance"] for m in methods if (m, 1) in rows}
+    lines = [f"{doc['prompts']} held-out prompts x {doc['max_new_tokens']} tokens; "
+             f"outputs that differ from plain greedy: {sum(r['mismatched_outputs'] for r in rows.values())}",
+             f"{'method':<12} {'k':>2} {'first accepted':>15} {'tokens/verify':>14} {'theory':>7}"]
+    for m in methods:
+        for k in ks:
+            if (m, k) in rows:
+                r = rows[m, k]
+                lines.append(f"{m:<12} {k:>2} {r['first_token_acceptance']:>15.3f} {r['tokens_per_verify_step']:>14.2f} "
+                             f"{theory.expected_tokens_per_step(a_of[m], k):>7.2f}")
+    cost = doc["cost"]
+    lines.append(f"draft cost ratio c: FLOPs {cost['ratio_flops']:.3f}, weight bytes {cost['ratio_bytes']:.3f}")
+    return "\n".join(lines)
+
+
+def format_vllm_comparison(doc: dict) -> str:
+    """Notebook 09's lines on the head in vLLM (results/draft_vllm_eagle.json): outputs, accepted drafts
+    per position and draft tokens, vLLM's beside ours."""
+    v, ours = doc["vllm"], doc["ours"]
+    metrics = v["metrics"]
+    return "\n".join([
+        doc["what"],
+        f"outputs equal ours: {sum(v['outputs_equal_ours'])}/{len(v['outputs_equal_ours'])}",
+        f"accepted per position: vLLM {[int(x) for x in metrics['vllm:spec_decode_num_accepted_tokens_per_pos']]}, "
+        f"ours {ours['num_accepted_tokens_per_pos']}; draft tokens vLLM "
+        f"{int(metrics['vllm:spec_decode_num_draft_tokens'])}, ours {ours['num_draft_tokens']} ({doc['note']})",
+    ])
+
+
 def main(argv=None) -> None:
     from radarlab.lab.machine import environment
     from radarlab.models.llama import Llama

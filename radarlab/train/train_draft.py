@@ -197,6 +197,34 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
     return summary
 
 
+def plot_training(doc: dict):
+    """A Figure of a kept training log (results/draft-training.json, notebook 09): the loss, and each draft
+    step's teacher-forced agreement with the target's greedy token, against the step."""
+    import matplotlib.pyplot as plt
+
+    log = doc["log"]
+    steps = [r["step"] for r in log]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.6))
+    ax1.plot(steps, [r["loss"] for r in log], marker=".")
+    ax1.set(xlabel="training step", ylabel="loss (mean over the last steps)", title="Training loss")
+    for p in range(len(log[0]["acc_per_pass"])):
+        ax2.plot(steps, [r["acc_per_pass"][p] for r in log], marker=".", label=f"draft step {p + 1}")
+    ax2.set(xlabel="training step", ylabel="agreement with the target's greedy token",
+            title="Teacher-forced agreement on training rows")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def format_training_summary(doc: dict) -> str:
+    """One sentence on a kept training run: its length, its data, how often each row was seen, its loss."""
+    s = doc["summary"]
+    return (f"trained for {s['steps']} steps ({s['train_seconds'] / 60:.0f} min) on {s['rows']} rows of {s['seq_len']} "
+            f"tokens ({s['rows'] * s['seq_len']:,} tokens, each row seen {s['steps'] * s['batch_rows'] / s['rows']:.1f} "
+            f"times), {s['batch_rows']} rows a step, {s['passes']} draft steps deep, on {doc['machine']}; loss "
+            f"{s['first_loss']:.2f} -> {s['final_loss']:.2f}")
+
+
 def main(argv=None) -> None:
     from radarlab.models.llama import Llama
     from radarlab.models.loader import resolve_model
