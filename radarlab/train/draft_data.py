@@ -71,13 +71,17 @@ class CausalBatch:
         return out.transpose(1, 2).reshape(t, h, d)
 
 
+def causal_batch(batch: int, length: int) -> AttentionMetadata:
+    """The metadata of one prefill of `batch` sequences of `length` tokens, attended by CausalBatch."""
+    return AttentionMetadata.from_lens([length] * batch, [length] * batch, backend=CausalBatch())
+
+
 @torch.inference_mode()
 def target_features_batch(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [B, L] -> (features [B, L, hidden], greedy next tokens [B, L]) of the target."""
     b, length = ids.shape
     positions = torch.arange(length).repeat(b)
-    meta = AttentionMetadata.from_lens([length] * b, [length] * b, backend=CausalBatch())
-    f = final_features(model, ids.reshape(-1), positions, None, meta)
+    f = final_features(model, ids.reshape(-1), positions, None, causal_batch(b, length))
     greedy = model.lm_head(f).argmax(-1)
     return f.view(b, length, -1), greedy.view(b, length)
 
