@@ -229,16 +229,25 @@ def test_fork_on_block_boundary_needs_no_copy():
 
 
 # --- rollback ---------------------------------------------------------------------------------
+def drop(m, seq, n):
+    """What a draft model does with its own copy after n of its drafts were rejected: the tokens go
+    (the sequence's business), then their slots (the manager's)."""
+    seq.truncate(seq.num_tokens - n)
+    m.rollback_slots(seq, min(m.num_slots(seq), seq.num_tokens))
+
+
 def test_rollback_frees_empty_blocks():
     m = BlockSpaceManager(8, 4, enable_prefix_caching=False)
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7, 8])  # 9 tokens in blocks 0, 1, 2
-    m.rollback(a, 3)
+    drop(m, a, 3)
     assert m.num_slots(a) == a.num_tokens == 6 and m.get_block_table(a) == [0, 1] and m.num_free_blocks == 6
-    m.rollback(a, 0)
+    drop(m, a, 0)
     assert m.num_slots(a) == 6
     with pytest.raises(ValueError, match="the prompt stays"):
-        m.rollback(a, 1)
+        drop(m, a, 1)
+    with pytest.raises(ValueError, match="cannot keep 7"):
+        m.rollback_slots(a, 7)  # more than it has slots for
     assert grow(m, a, [60, 70]) == [] and list(a.all_token_ids) == [0, 1, 2, 3, 4, 5, 60, 70]
 
 
@@ -247,7 +256,7 @@ def test_rollback_into_cached_block_uncaches_it_before_writing():
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7])  # both blocks full and cached
     h1 = a.block_hashes[1]
-    m.rollback(a, 2)
+    drop(m, a, 2)
     assert len(a.block_hashes) == 1
     assert m.allocator.get_cached_block(h1) == 1  # content intact until a write
     grow(m, a, [60])
@@ -260,7 +269,7 @@ def test_rollback_into_block_someone_hit_copies_on_write():
     m = BlockSpaceManager(8, 4)
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7])
-    m.rollback(a, 2)
+    drop(m, a, 2)
     b, hit = alloc(m, "b", list(range(8)) + [99])
     assert hit == 8  # block 1 still holds 0..7's KV: a valid hit
     assert grow(m, a, [60]) == [(1, m.get_block_table(a)[1])]
@@ -445,6 +454,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def fork(self, i):
         parent = self.pick(i)
+        if self.m.num_slots(parent) > parent.num_tokens:  # the engine forks right after a prompt, never then
+            return
         num_slots = self.m.num_slots(parent)
         child, self.next_id = Sequence(self.next_id, parent.all_token_ids[:num_slots]), self.next_id + 1
         self.m.fork(parent, child)
@@ -454,7 +465,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99), n=st.integers(0, 5))
     def rollback(self, i, n):
         seq = self.pick(i)
-        self.m.rollback(seq, min(n, seq.num_output_tokens))
+        drop(self.m, seq, min(n, seq.num_output_tokens))
 
     @precondition(lambda self: self.seqs)
     @rule(i=st.integers(0, 99), drafts=st.lists(TOKENS, min_size=1, max_size=4), rejected=st.integers(0, 4),
@@ -464,16 +475,52 @@ class PagedCacheMachine(RuleBasedStateMachine):
         token the target model samples, written right after the rollback."""
         seq = self.pick(i)
         if self.decode(seq, drafts):
-            self.m.rollback(seq, min(rejected, len(drafts)))
+            drop(self.m, seq, min(rejected, len(drafts)))
             self.decode(seq, [bonus])
 
     @precondition(lambda self: self.seqs)
+    @rule(i=st.integers(0, 99), drafts=st.lists(TOKENS, min_size=1, max_size=4), rejected=st.integers(0, 4),
+          bonus=TOKENS)
+    def speculate_with_lookahead(self, i, drafts, rejected, bonus):
+        """The engine's speculative step (vLLM v1's): the drafts stay beside the sequence and get
+        lookahead slots, their KV is written there; the accepted ones and the target's token then
+        join the sequence, and the rejected drafts' slots stay reserved, holding stale KV, until the
+        next tokens are written over them."""
+        seq = self.pick(i)
+        start = self.m.num_slots(seq)
+        if start != seq.num_tokens:
+            return
+        can, before = self.m.can_append_slots(seq, len(drafts)), snapshot(self.m)
+        try:
+            copies = self.m.append_slots(seq, len(drafts), num_lookahead_tokens=len(drafts))
+        except NoFreeBlocks:
+            assert not can and snapshot(self.m) == before
+            return
+        assert can and len(copies) <= 1 and seq.num_tokens == start  # the manager never touched the tokens
+        self.copy(copies)
+        guess = list(seq.all_token_ids) + drafts
+        for pos, slot in zip(range(start, start + len(drafts)), self.m.slot_mapping(seq, start, len(drafts))):
+            self.pool[slot] = tuple(guess[:pos + 1])
+        accepted = len(drafts) - min(rejected, len(drafts))
+        seq.append_token_ids(drafts[:accepted] + [bonus])
+        where = seq.num_tokens - 1  # the target's token: in a reserved slot, or in a new one
+        extra = max(0, where + 1 - self.m.num_slots(seq))
+        try:
+            self.copy(self.m.append_slots(seq, extra))
+        except NoFreeBlocks:
+            seq.truncate(seq.num_tokens - 1)  # no room for it: the scheduler would wait or preempt
+            return
+        self.write(seq, where, 1)
+
+    @precondition(lambda self: any(self.m.num_slots(s) <= s.num_tokens for s in self.seqs.values()))
     @rule(i=st.integers(0, 99), new=st.lists(TOKENS, min_size=1, max_size=3))
     def preempt_before_compute(self, i, new):
         """Slots reserved for a step that never runs (the request is preempted or aborted first):
         its blocks past what was computed must not stay findable in the prefix cache."""
         seq = self.pick(i)
         computed = self.m.num_slots(seq)
+        if computed > seq.num_tokens:
+            return
         if seq.num_tokens == computed:
             seq.append_token_ids(new)
         try:
@@ -516,9 +563,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
         owners = defaultdict(list)
         for seq in self.seqs.values():
             tokens = list(seq.all_token_ids)
-            num_slots = self.m.num_slots(seq)
-            assert num_slots <= len(tokens)
-            for pos, slot in enumerate(self.m.slot_mapping(seq, 0, num_slots)):
+            num_slots = self.m.num_slots(seq)  # past its tokens: a rejected draft's slot, stale until rewritten
+            for pos, slot in enumerate(self.m.slot_mapping(seq, 0, min(num_slots, len(tokens)))):
                 assert self.pool[slot] == tuple(tokens[:pos + 1]), f"seq {seq.seq_id} position {pos} was overwritten"
                 owners[slot].append(seq.seq_id)
         # A slot owned by two live sequences lives in a shared block (ref > 1) that holds the same KV

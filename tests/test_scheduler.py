@@ -264,9 +264,8 @@ def test_watermark_must_be_a_fraction(bad):
 
 
 def add_drafts(request, drafts):
-    """What the engine does before scheduling a decoding request: drafts go at the tail of its tokens."""
+    """What the engine does before scheduling a decoding request: drafts go beside its tokens."""
     request.spec_token_ids = list(drafts)
-    request.append_token_ids(drafts)
 
 
 def test_drafts_count_in_the_budget_and_get_slots_and_those_past_it_are_dropped():
@@ -277,16 +276,21 @@ def test_drafts_count_in_the_budget_and_get_slots_and_those_past_it_are_dropped(
     add_drafts(a, [7, 8, 9, 10, 11])  # 1 + 5 tokens to compute, budget 4: two drafts go
     out = sched.schedule()
     assert out.num_scheduled_tokens == [4] and out.num_spec_tokens == [3]
-    assert a.spec_token_ids == [7, 8, 9] and a.num_tokens == 8
+    assert a.spec_token_ids == [7, 8, 9] and a.num_tokens == 5 and a.num_tokens_with_spec == 8  # never among the tokens
+    assert len(a.block_hashes) == 5 // manager.block_size == 1  # nor hashed: with them, two blocks would be full
     assert manager.num_slots(a) == 8 and len(manager.get_block_table(a)) == 2  # the drafts' slots, reserved
-    sched.update(out)
     free = manager.num_free_blocks
-    sched.rollback(a, 3)  # all three rejected: the block that held only drafts comes back
+    sched.update(out, [3])  # all three rejected: their positions count as not computed, their slots stay
     assert a.num_tokens == a.num_computed_tokens == 5 and a.spec_token_ids == []
-    assert manager.num_slots(a) == 5 and manager.num_free_blocks == free
+    assert manager.num_slots(a) == 8 and manager.num_free_blocks == free  # vLLM keeps the blocks too
+    a.append_token_ids([42])  # the target's own token takes position 5, in a slot already reserved
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == [1] and manager.num_slots(a) == 8 and manager.num_free_blocks == free
+    with pytest.raises(ValueError, match="rejected of"):
+        sched.update(out, [1])  # no drafts were scheduled: nothing to reject
 
 
-def test_drafts_of_preempted_and_unscheduled_requests_are_rolled_back():
+def test_drafts_of_preempted_and_unscheduled_requests_are_dropped():
     manager, sched = make(num_blocks=4, block_size=4, max_num_batched_tokens=64)
     a, b = req("a", 7), req("b", 7, start=20)
     sched.add_request(a)
@@ -297,8 +301,7 @@ def test_drafts_of_preempted_and_unscheduled_requests_are_rolled_back():
     out = sched.schedule()  # a's drafts need a third block: b, the newest, is preempted
     assert out.preempted == [b] and b.spec_token_ids == [] and b.num_tokens == 8
     assert out.requests == [a] and out.num_spec_tokens == [2]
-    sched.update(out)
-    sched.rollback(a, 2)
+    sched.update(out, [2])
     _, sched2 = make(max_num_batched_tokens=2)
     c, d = req("c", 1), req("d", 1, start=9)
     sched2.add_request(c)

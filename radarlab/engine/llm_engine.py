@@ -6,10 +6,12 @@ requests whose prompt (or recompute) is complete, and finishes those that hit a 
 It plays vLLM's LLMEngine / EngineCore (vllm/v1/engine/); generate and stream are the LLM.generate
 and streaming entry points.
 
-With speculative_config (radarlab.spec_decode.speculative_config: vLLM's keys), each step first asks the proposer for
-drafts for the decoding requests and appends them to their tokens; the step's forward pass then
-verifies them (logits at the last token and at every draft), radarlab.sample.rejection_sampler decides how
-many are accepted, and the scheduler rolls back the rest. spec_stats counts drafts and acceptances.
+With speculative_config (radarlab.spec_decode.speculative_config: vLLM's keys), each step first asks the
+proposer for drafts for the decoding requests, kept in their spec_token_ids (beside the tokens, as
+vLLM v1 does); the step's forward pass then verifies them (logits at the last token and at every
+draft), radarlab.sample.rejection_sampler decides how many are accepted, Scheduler.update counts
+the rejected drafts' positions as not computed (their slots stay reserved, as in vLLM), and the
+accepted drafts join the tokens with the target's own token. spec_stats counts drafts and acceptances.
 A proposer with an `observe` method (EAGLE) also gets the target's features of every computed token.
 """
 from __future__ import annotations
@@ -147,46 +149,51 @@ class Engine:
         observe = getattr(self.proposer, "observe", None)  # a proposer that reads the target's features
         logits = paged_step(self.model, self.cache, self.manager, sched.requests, sched.num_computed_tokens,
                             sched.num_scheduled_tokens, num_logits if any(sched.num_spec_tokens) else None,
-                            return_features=observe is not None)
+                            return_features=observe is not None,
+                            spec_token_ids=[r.spec_token_ids for r in sched.requests])
         if observe is not None:
             logits, features = logits
             starts = itertools.accumulate(sched.num_scheduled_tokens, initial=0)
             for r, done, lo, n in zip(sched.requests, sched.num_computed_tokens, starts, sched.num_scheduled_tokens):
                 observe(r, done, features[lo:lo + n])
-        self.scheduler.update(sched)
         self.num_steps += 1
         if self.spec_stats is not None:
             self.spec_stats.num_forwards += 1
         ends = list(itertools.accumulate(num_logits))  # one past each request's last logits row
-        rows = [b for b, r in enumerate(sched.requests)  # prompt (or recompute) complete: sample
-                if r.num_computed_tokens == r.num_tokens]
-        if not rows:
-            return outputs
+        rows = [b for b, (r, done, n) in enumerate(zip(sched.requests, sched.num_computed_tokens,
+                                                        sched.num_scheduled_tokens))
+                if done + n == r.num_tokens_with_spec]  # prompt (or recompute) complete: sample
         plain = [b for b in rows if not sched.num_spec_tokens[b]]
-        emitted = {}  # b -> (tokens this step, how many of them are already in the sequence)
+        emitted = {}  # b -> this step's tokens
         if plain:
             done = [sched.requests[b] for b in plain]
             last = [ends[b] - 1 for b in plain]
             picked = logits if last == list(range(logits.shape[0])) else logits[last]  # decode steps: no copy
             tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
-            emitted.update((b, ([t], 0)) for b, t in zip(plain, tokens))
+            emitted.update((b, [t]) for b, t in zip(plain, tokens))
+        num_rejected = [0] * len(sched.requests)
         for b in rows:
             if sched.num_spec_tokens[b]:
                 emitted[b] = self._verify(sched.requests[b], logits[ends[b] - num_logits[b]:ends[b]])
+                num_rejected[b] = sched.num_spec_tokens[b] - (len(emitted[b]) - 1)
+        self.scheduler.update(sched, num_rejected)  # the one place num_computed_tokens moves
+        if not rows:
+            return outputs
         forked = []
         for b in plain:
             request = sched.requests[b]
             if request.params.n > 1 and not request.forked:
                 forked += self._fork(request, logits[ends[b] - 1])
         for b in rows:
-            outputs.append(self._commit(sched.requests[b], *emitted[b]))
+            outputs.append(self._commit(sched.requests[b], emitted[b]))
         for child, token in forked:
-            outputs.append(self._commit(child, [token], 0))
+            outputs.append(self._commit(child, [token]))
         return outputs
 
     def _propose(self) -> None:
-        """Append drafts to every decoding request (all tokens but the last computed). A request gets
-        at most as many as leave room for the target's own token within max_tokens and max_model_len."""
+        """Drafts for every decoding request (all tokens but the last computed), into its spec_token_ids,
+        beside its tokens. A request gets at most as many as leave room for the target's own token
+        within max_tokens and max_model_len."""
         if self.proposer is None:
             return
         ready, limits = [], []
@@ -208,32 +215,27 @@ class Engine:
             if drafts:
                 request.spec_token_ids = drafts
                 request.spec_probs = None if proposal.draft_probs is None else proposal.draft_probs[:len(drafts)]
-                request.append_token_ids(drafts)
 
-    def _verify(self, request: Request, logits: torch.Tensor) -> tuple[list[int], int]:
-        """Rejection-sample the request's drafts against logits [k+1, V]; roll back the rejected ones.
-        Returns the emitted tokens and how many of them (the accepted drafts) are already in the sequence."""
+    def _verify(self, request: Request, logits: torch.Tensor) -> list[int]:
+        """Rejection-sample the request's drafts against logits [k+1, V]: the accepted drafts, then the
+        target's own token (a correction, or the bonus after k accepted)."""
         k = len(request.spec_token_ids)
         tokens = rejection_sample(logits, request.spec_token_ids, request.params, request.spec_probs,
                                   request.generator)
-        accepted = len(tokens) - 1
-        self.scheduler.rollback(request, k - accepted)
-        request.spec_token_ids, request.spec_probs = [], None
-        self.spec_stats.observe_draft(k, accepted)
-        return tokens, accepted
+        self.spec_stats.observe_draft(k, len(tokens) - 1)
+        return tokens
 
-    def _commit(self, request: Request, tokens: list[int], num_in_sequence: int) -> RequestOutput:
-        """Emit this step's tokens (the first num_in_sequence already in the sequence) up to the first
-        stop condition; anything after it is dropped, and the request finishes there."""
-        start = request.num_tokens - num_in_sequence
+    def _commit(self, request: Request, tokens: list[int]) -> RequestOutput:
+        """Append this step's tokens up to the first stop condition; anything after it is dropped, and
+        the request finishes there."""
+        start = request.num_tokens
         keep, status = len(tokens), None
         for i, token in enumerate(tokens):
             status = self._stop_status(request, token, start + i + 1)
             if status is not None:
                 keep = i + 1
                 break
-        self.scheduler.rollback(request, num_in_sequence - keep)
-        request.append_token_ids(tokens[num_in_sequence:keep])
+        request.append_token_ids(tokens[:keep])
         if self.spec_stats is not None:
             self.spec_stats.num_output_tokens += keep
         if status is not None:

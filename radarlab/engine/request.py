@@ -46,8 +46,8 @@ class Request(Sequence):
         self.num_preemptions = 0
         self.arrival_index = arrival_index
         self.error: str | None = None
-        # Speculative decoding: drafts appended at the tail of the tokens for this step's verification,
-        # and the distributions they were drawn from (None: one-hot, e.g. n-gram). Empty between steps.
+        # Speculative decoding: this step's drafts, kept beside the tokens (never in them, so never
+        # hashed), and the distributions they were drawn from (None: one-hot, e.g. n-gram).
         self.spec_token_ids: list[int] = []
         self.spec_probs: torch.Tensor | None = None
         self.generator = torch.Generator()
@@ -63,6 +63,11 @@ class Request(Sequence):
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens plus this step's drafts: what the scheduler brings num_computed_tokens up to."""
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def num_seats(self) -> int:

@@ -8,10 +8,13 @@ allocate_slots); when a running request needs a block and none is free, the newe
 is preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (prompt + outputs so far) later.
 
-Speculative decoding (radarlab.spec_decode): a decoding request may carry drafts at the tail of its tokens.
-They are scheduled with its last token, so they count in the token budget and get slots like any
-token (vLLM's lookahead slots); drafts that do not fit the budget, or belong to a request that is
-preempted or not scheduled, are rolled back before the step runs.
+Speculative decoding (radarlab.spec_decode): a decoding request may carry drafts in spec_token_ids,
+beside its tokens, never among them (vLLM v1's Request). They are scheduled with its last token
+(num_tokens_with_spec), so they count in the token budget and get slots like any token (vLLM's
+lookahead slots); drafts that do not fit the budget, or belong to a request that is preempted or not
+scheduled, are dropped before the step runs. After verification, update() is the one place that sets
+num_computed_tokens: the rejected drafts' positions count as not computed, and their slots stay
+reserved (vLLM keeps the blocks too: the next tokens overwrite them).
 
 Requests that can never run end with FINISHED_ERROR instead of waiting forever: a prompt longer
 than max_model_len, or prompt + outputs needing more blocks than the whole pool.
@@ -115,16 +118,16 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             computed = request.num_computed_tokens
+            n = min(request.num_tokens_with_spec - computed, budget)  # 1 for a decode, a chunk, or 1 + drafts
             # drafts that do not fit the budget are dropped (they are guesses: nothing is lost)
-            self.rollback(request, min(len(request.spec_token_ids), request.num_tokens - computed - budget))
-            n = min(request.num_tokens - computed, budget)  # 1 for a decode, a chunk for a prefill, 1 + drafts
+            self._keep_drafts(request, computed + n - request.num_tokens)
             if not self._append_or_preempt(request, computed + n - self.manager.num_slots(request), out):
                 break  # the request preempted itself: nothing after it is running
             self._schedule(out, request, computed, n)
             budget -= n
             i += 1
         for request in self.running[i:]:  # not scheduled this step: their drafts go
-            self.rollback(request, len(request.spec_token_ids))
+            self._keep_drafts(request, 0)
 
         # After a preemption admit nothing (the pool is short) unless nothing runs: then the pool is
         # all free, and the head either fits or can never fit (an error), so the step makes progress.
@@ -168,25 +171,18 @@ class Scheduler:
         self.requests[child.request_id] = child
         self.running.insert(self.running.index(parent) + child.index, child)
 
-    def rollback(self, request: Request, num_tokens: int) -> None:
-        """Drop the request's last num_tokens tokens (drafts that did not fit, were rejected, or came
-        after a stop token) and their slots; blocks left empty are freed. Lookahead slots, in vLLM's
-        terms: the drafts' slots are reserved like any token's and given back here."""
-        if num_tokens <= 0:
-            return
-        if request in self.manager:
-            self.manager.rollback(request, num_tokens)
-        else:
-            request.truncate(request.num_tokens - num_tokens)
-        request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
-        keep = max(0, len(request.spec_token_ids) - num_tokens)
-        request.spec_token_ids = request.spec_token_ids[:keep]
-        request.spec_probs = request.spec_probs[:keep] if request.spec_probs is not None and keep else None
-
-    def update(self, out: SchedulerOutput) -> None:
-        """After the forward pass: the scheduled tokens now have K/V in the pool."""
-        for request, n in zip(out.requests, out.num_scheduled_tokens):
-            request.num_computed_tokens += n
+    def update(self, out: SchedulerOutput, num_rejected: list[int] | None = None) -> None:
+        """After the forward pass and verification: the scheduled tokens now have K/V in the pool, but
+        a rejected draft's position counts as not computed (its slot stays reserved, and the tokens
+        that take the position overwrite it). The step's drafts are spent."""
+        num_rejected = [0] * len(out.requests) if num_rejected is None else num_rejected
+        if len(num_rejected) != len(out.requests):
+            raise ValueError(f"num_rejected has {len(num_rejected)} entries for {len(out.requests)} requests")
+        for request, n, k, rejected in zip(out.requests, out.num_scheduled_tokens, out.num_spec_tokens, num_rejected):
+            if not 0 <= rejected <= k:
+                raise ValueError(f"request {request.request_id!r}: {rejected} rejected of {k} drafts")
+            request.num_computed_tokens += n - rejected
+            request.spec_token_ids, request.spec_probs = [], None
 
     # --- helpers ---------------------------------------------------------------------------
     @staticmethod
@@ -196,12 +192,22 @@ class Scheduler:
         out.num_scheduled_tokens.append(n)
         out.num_spec_tokens.append(len(request.spec_token_ids))
 
+    @staticmethod
+    def _keep_drafts(request: Request, num_drafts: int) -> None:
+        """Keep the request's first num_drafts drafts (and their probabilities); drop the rest."""
+        keep = max(0, min(num_drafts, len(request.spec_token_ids)))
+        if keep < len(request.spec_token_ids):
+            request.spec_token_ids = request.spec_token_ids[:keep]
+            request.spec_probs = request.spec_probs[:keep] if request.spec_probs is not None and keep else None
+
     def _append_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
-        """Reserve slots for the request's next num_new_slots tokens, preempting the newest running
+        """Reserve slots for the request's next num_new_slots tokens (its drafts' too, as lookahead;
+        none where slots a rejected draft left already cover them), preempting the newest running
         requests until they fit. False if the request had to preempt itself."""
         while True:
             try:
-                out.copy_pairs += self.manager.append_slots(request, num_new_slots)
+                out.copy_pairs += self.manager.append_slots(request, max(0, num_new_slots),
+                                                            len(request.spec_token_ids))
                 return True
             except NoFreeBlocks:
                 victim = self.running.pop()
@@ -210,7 +216,7 @@ class Scheduler:
                     return False
 
     def _preempt(self, request: Request, out: SchedulerOutput) -> None:
-        self.rollback(request, len(request.spec_token_ids))
+        self._keep_drafts(request, 0)
         self._free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1

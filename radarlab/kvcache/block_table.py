@@ -12,7 +12,8 @@ The manager owns blocks, never tokens. A sequence's token ids and block hashes l
 Sequence (radarlab.kvcache.sequence; the engine's Request is one), which every method takes and
 reads, as vLLM v1's KVCacheManager reads its Request. BlockSpaceManager is named after vLLM's v0
 manager, whose operations it keeps (can_allocate, allocate, append_slots returning copy-on-write
-pairs, fork, free), plus rollback for speculative decoding.
+pairs, fork, free), plus rollback_slots for a draft model's own sequences. It never changes a
+sequence's tokens.
 
 Allocation follows vLLM 0.32's v1 scheduler:
 - admission needs room for the whole sequence (scheduler_reserve_full_isl, on by default), so a
@@ -166,10 +167,12 @@ class BlockSpaceManager:
     def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self._append_cost(self._table(seq), num_new_tokens) <= self.num_free_blocks
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> list[tuple[int, int]]:
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1, num_lookahead_tokens: int = 0
+                     ) -> list[tuple[int, int]]:
         """Reserve slots for the sequence's next num_new_tokens tokens: one for a decode step, a chunk
-        for a prompt prefilled in chunks, several for speculative drafts. The tokens must already be
-        in the sequence.
+        for a prompt prefilled in chunks, 1 + k for a speculative verify step. The tokens must be in the
+        sequence, except up to num_lookahead_tokens past its end: the drafts, which live beside it
+        (vLLM's lookahead slots; their blocks are never offered to the prefix cache for them).
 
         Returns copy-on-write pairs (src_block, dst_block): the partly filled last block was shared
         (a fork), so the sequence now owns a private copy, and the pool must copy src to dst before
@@ -177,14 +180,17 @@ class BlockSpaceManager:
         """
         table = self._table(seq)
         num_new = require_int("num_new_tokens", num_new_tokens, 0)
-        if table.num_slots + num_new > seq.num_tokens:
-            raise ValueError(f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens, {table.num_slots} with slots; "
-                             f"it has no tokens for {num_new} more slots (append the tokens first)")
+        lookahead = require_int("num_lookahead_tokens", num_lookahead_tokens, 0)
+        if num_new and table.num_slots + num_new > seq.num_tokens + lookahead:
+            raise ValueError(f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens (+{lookahead} lookahead), "
+                             f"{table.num_slots} with slots; it has no tokens for {num_new} more slots (append the "
+                             f"tokens first)")
         num_to_take = self._append_cost(table, num_new)
         if num_to_take > self.num_free_blocks:
             raise NoFreeBlocks(f"sequence {seq.seq_id!r} needs {num_to_take} free blocks for {num_new} new tokens, "
                                f"{self.num_free_blocks} are free")
-        if not num_new:
+        if not num_new:  # slots a rejected draft left may hold the next tokens: blocks they fill are cached now
+            self._cache_full_blocks(seq, table)
             return []
         copies = []
         if table.num_slots % self.block_size:  # the next token lands in the last block
@@ -195,7 +201,7 @@ class BlockSpaceManager:
                 table.block_ids[-1] = copy
                 copies.append((last, copy))
             elif self.allocator.block_hashes[last] is not None:
-                # Ours alone, but still cached from before a rollback: its content is about to change.
+                # Ours alone, but still cached from before a rollback_slots: its content is about to change.
                 self.allocator.uncache_block(last)
         num_new_blocks = cdiv(table.num_slots + num_new, self.block_size) - len(table.block_ids)
         table.block_ids += self.allocator.allocate_many(num_new_blocks)
@@ -218,17 +224,18 @@ class BlockSpaceManager:
             self.allocator.incref(block_id)
         self.block_tables[child.seq_id] = table
 
-    def rollback(self, seq: Sequence, num_tokens: int) -> None:
-        """Drop the sequence's last num_tokens tokens (rejected speculative drafts): from its token ids,
-        and their slots. Blocks left empty are freed.
-
+    def rollback_slots(self, seq: Sequence, num_slots: int) -> None:
+        """Keep slots for the sequence's first num_slots positions only; blocks left empty are freed.
+        The caller has already dropped the tokens (a draft model's own copy of a sequence, after its
+        drafts were rejected); the engine's target requests keep their slots instead, as vLLM does.
         A block left partly filled keeps its content until the next append_slots writes into it
         (then it is copied if shared, or uncached if cached).
         """
         table = self._table(seq)
-        num_tokens = require_int("num_tokens", num_tokens, 0)
-        seq.truncate(seq.num_tokens - num_tokens)  # ValueError if it would cut into the prompt
-        num_slots = min(table.num_slots, seq.num_tokens)
+        num_slots = require_int("num_slots", num_slots, 0)
+        if num_slots > table.num_slots:
+            raise ValueError(f"sequence {seq.seq_id!r} has slots for {table.num_slots} positions; it cannot keep "
+                             f"{num_slots}")
         num_kept = cdiv(num_slots, self.block_size)
         for block_id in reversed(table.block_ids[num_kept:]):
             self.allocator.free(block_id)

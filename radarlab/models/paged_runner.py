@@ -59,7 +59,8 @@ def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num
 @torch.inference_mode()
 def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: SequenceType[Sequence],
                num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None,
-               num_logits: SequenceType[int] | None = None, return_features: bool = False):
+               num_logits: SequenceType[int] | None = None, return_features: bool = False,
+               spec_token_ids: SequenceType[SequenceType[int]] | None = None):
     """One packed forward pass; returns logits [len(seqs), vocab] after each sequence's last
     scheduled token. num_scheduled_tokens defaults to every token with a slot not yet computed (a
     whole prefill, or the one new token of a decode step). Token ids come from the sequences.
@@ -70,13 +71,22 @@ def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: Seq
 
     return_features=True returns (logits, features): features [num scheduled tokens, hidden] are the
     normed last hidden states of every scheduled token, packed (what an EAGLE draft head reads; the
-    whole prefill's too, so the head can build its own cache from them). Off by default: no cost."""
+    whole prefill's too, so the head can build its own cache from them). Off by default: no cost.
+
+    spec_token_ids[b]: sequence b's drafts, which follow its tokens (they live beside the sequence,
+    never in it); scheduled tokens past the sequence's end are read from them."""
     if num_scheduled_tokens is None:
         num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
     device = cache.k.device
     meta = build_metadata(cache, paged_metadata(manager, seqs, num_computed_tokens, num_scheduled_tokens, device))
-    ids = [t for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens)
-           for t in s.all_token_ids[done:done + n]]
+    drafts = [()] * len(seqs) if spec_token_ids is None else spec_token_ids
+    ids = []
+    for s, done, n, spec in zip(seqs, num_computed_tokens, num_scheduled_tokens, drafts):
+        step = list(s.all_token_ids[done:done + n]) + list(spec[:max(0, done + n - s.num_tokens)])
+        if len(step) != n:
+            raise ValueError(f"sequence {s.seq_id!r}: {n} tokens scheduled from position {done}, but it has "
+                             f"{s.num_tokens} tokens and {len(spec)} drafts")
+        ids += step
     last = meta.query_start_loc[1:] - 1
     if num_logits is not None:
         last = _last_rows(last, num_logits, num_scheduled_tokens)

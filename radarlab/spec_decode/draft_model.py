@@ -2,7 +2,7 @@
 
 The draft keeps its own paged KV cache: its own BlockSpaceManager and PagedKVCache, holding a copy
 (a Sequence) of each request's tokens. Each call first brings that copy in line with the request:
-rejected drafts are rolled back (BlockSpaceManager.rollback frees their blocks), accepted drafts
+rejected drafts are rolled back (BlockSpaceManager.rollback_slots frees their blocks), accepted drafts
 keep the K/V the draft computed while proposing them, and new tokens are appended. Then the draft
 runs k single-token steps for all requests together (the first step also catches up on whatever
 the draft has not computed: the whole prompt the first time, the target's token afterwards).
@@ -127,7 +127,8 @@ class DraftModelProposer:
                 self.free(request.request_id)
                 seq = None
             else:
-                self.manager.rollback(seq, seq.num_tokens - common)
+                seq.truncate(common)  # its rejected drafts go, and their slots
+                self.manager.rollback_slots(seq, min(common, self.manager.num_slots(seq)))
                 seq.append_token_ids(tokens[common:])
                 self.num_computed[seq.seq_id] = min(self.num_computed[seq.seq_id], common, seq.num_tokens - 1)
         if seq is None:
