@@ -270,7 +270,7 @@ def check_reservation_utilisation(reservation_utilisation) -> bool:
 def check_slot_mapping(slot_mapping) -> bool:
     """Check a learner's slot_mapping(block_table, block_size, start, n): the slots of positions
     start .. start+n-1 of a sequence whose logical block i lives in physical block block_table[i]."""
-    from radarlab.kvcache.block_table import BlockTable
+    from radarlab.kvcache.kv_cache_manager import KVCacheBlocks
 
     cases = [  # (description, block_table, block_size, start, n)
         ("block_table=[7], block_size=4, start=0, n=3 (one block)", [7], 4, 0, 3),
@@ -282,7 +282,7 @@ def check_slot_mapping(slot_mapping) -> bool:
         ("block_table=[2], block_size=4, start=1, n=0 (no new tokens)", [2], 4, 1, 0),
     ]
     for description, table, bs, start, n in cases:
-        want = BlockTable(bs, list(table), num_slots=start + n).slot_mapping(start, n)
+        want = KVCacheBlocks(bs, list(table), num_slots=start + n).slot_mapping(start, n)
         got, problem = call_learner(lambda: slot_mapping(list(table), bs, start, n), description)
         if problem:
             return verdict("slot_mapping", problem)
@@ -301,14 +301,14 @@ def check_slot_mapping(slot_mapping) -> bool:
 
 
 def check_ref_count_allocator(allocator_class) -> bool:
-    """Check a learner's allocator class (free list + reference counts) against radarlab's BlockAllocator.
+    """Check a learner's allocator class (free list + reference counts) against radarlab's BlockPool.
 
     The class takes num_blocks and has allocate() -> block id (the front of the free list, raising
     NoFreeBlocks when it is empty), incref(block_id) and free(block_id) (ValueError on a double free;
     a block whose count reaches 0 goes to the back of the free list). It exposes ref_counts (a list)
     and free_list (any sequence). After every step, return values, errors, counts and the free list
     must match the reference."""
-    from radarlab.kvcache.blocks import BlockAllocator, NoFreeBlocks
+    from radarlab.kvcache.block_pool import BlockPool, NoFreeBlocks
 
     name = "ref_count_allocator"
     steps = [  # (what, method, argument)
@@ -338,7 +338,7 @@ def check_ref_count_allocator(allocator_class) -> bool:
     def expected(value):
         return f"raise {value}" if value in ("NoFreeBlocks", "ValueError") else f"return {value!r}"
 
-    ref = BlockAllocator(4, 1, enable_prefix_caching=False)
+    ref = BlockPool(4, 1, enable_prefix_caching=False)
     try:
         mine = allocator_class(4)
     except NotImplementedError:
@@ -411,17 +411,17 @@ def _cow_scenarios():
 
 def check_append_with_cow(append_with_cow) -> bool:
     """Check a learner's append_with_cow(allocator, block_ids, num_slots, num_new, block_size) ->
-    (block_ids, copies), the heart of BlockSpaceManager.append_slots without prefix caching.
+    (block_ids, copies), the heart of KVCacheManager.allocate_slots without prefix caching.
 
-    Scripts of allocate, fork, append and free run on radarlab's BlockSpaceManager. Before every
+    Scripts of allocate, fork, append and free run on radarlab's KVCacheManager. Before every
     append the learner's function gets a copy of the manager's allocator and of the sequence's block
-    list; its answer must equal what append_slots then does: the same table, the same copy pairs,
+    list; its answer must equal what allocate_slots then does: the same table, the same copy pairs,
     and the same ref counts and free list afterwards. When the pool is short it must raise
     NoFreeBlocks and leave both the list and the allocator as they were."""
     import copy
 
-    from radarlab.kvcache.block_table import BlockSpaceManager
-    from radarlab.kvcache.blocks import NoFreeBlocks
+    from radarlab.kvcache.kv_cache_manager import KVCacheManager
+    from radarlab.kvcache.block_pool import NoFreeBlocks
     from radarlab.kvcache.sequence import Sequence
     from radarlab.util import cdiv
 
@@ -432,7 +432,7 @@ def check_append_with_cow(append_with_cow) -> bool:
         return f"{n} block{'' if n == 1 else 's'}"
 
     for n, (bs, num_blocks, script) in enumerate(_cow_scenarios()):
-        manager = BlockSpaceManager(num_blocks, bs, enable_prefix_caching=False)
+        manager = KVCacheManager(num_blocks, bs, enable_prefix_caching=False)
         seqs = {}
         for op, *args in script:
             if op == "allocate":
@@ -447,7 +447,7 @@ def check_append_with_cow(append_with_cow) -> bool:
                 manager.free(seqs.pop(args[0]))
                 continue
             seq, num_new = seqs[args[0]], args[1]
-            alloc = manager.allocator
+            alloc = manager.block_pool
             table, num_slots, free = manager.get_block_table(seq), manager.num_slots(seq), alloc.num_free_blocks
             counts = [alloc.ref_count(b) for b in table]
             shared = num_slots % bs != 0 and counts[-1] > 1
@@ -467,7 +467,7 @@ def check_append_with_cow(append_with_cow) -> bool:
                 return verdict(name, f"for {state} it raised {type(err).__name__}: {err}")
             seq.append_token_ids([7] * num_new)
             try:
-                want_copies = manager.append_slots(seq, num_new)
+                want_copies = manager.allocate_slots(seq, num_new)
             except NoFreeBlocks:
                 seq.truncate(seq.num_tokens - num_new)
                 if raised is None:
@@ -802,9 +802,9 @@ def _schedule_token_budget_reference(running, waiting, budget, max_num_seqs):
     never bind: running requests with `remaining` prompt tokens still to prefill (0: decoding), then
     waiting prompts of the given lengths, head first."""
     from radarlab.engine import Request, SamplingParams, Scheduler
-    from radarlab.kvcache.block_table import BlockSpaceManager
+    from radarlab.kvcache.kv_cache_manager import KVCacheManager
 
-    manager = BlockSpaceManager(num_blocks=1024, block_size=16, enable_prefix_caching=False)
+    manager = KVCacheManager(num_blocks=1024, block_size=16, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
     done_prefill = 8  # tokens each running request has computed already
     requests = [_put_running(scheduler, ("running", i), done_prefill + remaining, done_prefill, remaining == 0)
@@ -873,9 +873,9 @@ def _preemption_reference(running, free_blocks, block_size=4):
     running[i] = (blocks_held, needs_new_block) in arrival order, every request decoding, free_blocks
     free in the pool."""
     from radarlab.engine import Scheduler
-    from radarlab.kvcache.block_table import BlockSpaceManager
+    from radarlab.kvcache.kv_cache_manager import KVCacheManager
 
-    manager = BlockSpaceManager(sum(held for held, _ in running) + free_blocks, block_size, enable_prefix_caching=False)
+    manager = KVCacheManager(sum(held for held, _ in running) + free_blocks, block_size, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=max(1, len(running)), max_num_batched_tokens=4096,
                           max_model_len=4096)
     for i, (held, needs_new) in enumerate(running):

@@ -10,7 +10,7 @@ from radarlab.checks import (
     _schedule_token_budget_reference, check_latency_metrics, check_preemption_rule, check_schedule_token_budget,
 )
 from radarlab.engine import Request, SamplingParams, Scheduler
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 
 
 # --- schedule_token_budget -------------------------------------------------------------------------
@@ -121,7 +121,7 @@ def test_reference_rule_is_the_schedulers_rule(seed):
     the step."""
     rng = random.Random(seed)
     budget, seats = rng.choice([(8, 4), (16, 3), (24, 6), (64, 8)])
-    manager = BlockSpaceManager(num_blocks=4096, block_size=4, enable_prefix_caching=False)
+    manager = KVCacheManager(num_blocks=4096, block_size=4, enable_prefix_caching=False)
     scheduler = Scheduler(manager, max_num_seqs=seats, max_num_batched_tokens=budget, max_model_len=4096)
     pending = [[rng.randrange(100) for _ in range(rng.randint(1, 50))] for _ in range(12)]
     max_tokens = {i: rng.randint(1, 6) for i in range(len(pending))}

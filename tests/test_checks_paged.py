@@ -6,7 +6,7 @@ from collections import deque
 import pytest
 
 from radarlab.checks import check_append_with_cow, check_ref_count_allocator, check_slot_mapping
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.block_pool import NoFreeBlocks
 
 
 def slot_mapping(block_table, block_size, start, n):

@@ -152,7 +152,7 @@ def test_readme_package_map_lists_every_module():
 
 
 @pytest.mark.parametrize("importer, module, level, expected", [
-    ("radarlab/engine/engine.py", "kvcache.block_table", 2, "radarlab.kvcache.block_table"),
+    ("radarlab/engine/engine.py", "kvcache.kv_cache_manager", 2, "radarlab.kvcache.kv_cache_manager"),
     ("radarlab/engine/engine.py", "scheduler", 1, "radarlab.engine.scheduler"),
     ("radarlab/engine/__init__.py", "llm_engine", 1, "radarlab.engine.llm_engine"),
     ("radarlab/util.py", "radarlab.device", 0, "radarlab.device"),

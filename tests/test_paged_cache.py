@@ -1,7 +1,7 @@
 """PagedKVCache: the pool, the KV write (torch and Triton), copy-on-write, and the course model on it.
 
 The model tests hand out blocks with a tiny in-test helper (a shuffled list, never freed); the real
-allocator and block tables live in radarlab.kvcache.blocks / block_table and have their own tests.
+allocator and block tables live in radarlab.kvcache.block_pool / block_table and have their own tests.
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
+from radarlab.kvcache.block_pool import NoFreeBlocks
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
@@ -39,7 +39,7 @@ def reference(tiny):
 
 
 def pool(model, num_blocks, block_size, prefix=True):
-    return (BlockSpaceManager(num_blocks, block_size, prefix),
+    return (KVCacheManager(num_blocks, block_size, prefix),
             PagedKVCache.for_model(model.config, num_blocks, block_size))
 
 
@@ -55,7 +55,7 @@ def test_same_batch_prefix_hit_is_used_and_correct(tiny, reference):
     manager, cache = pool(tiny, 40, 4)
     assert paged_greedy_generate(tiny, PROMPTS, NEW, manager=manager, cache=cache) == reference
     assert manager.prefix_cache_stats.hits == 8  # prompt 1: blocks [1..4] and [5..8]; prompt 3 is all one token
-    assert not manager.block_tables and manager.allocator.num_used_blocks == 0  # every sequence freed
+    assert not manager.block_tables and manager.block_pool.num_used_blocks == 0  # every sequence freed
 
 
 def test_second_call_hits_the_cache_and_recomputes_the_last_block(tiny, reference):
@@ -85,14 +85,14 @@ def test_fork_then_copy_on_write_equals_two_separate_runs(tiny):
     assert manager.get_block_table(a) == manager.get_block_table(b)
     a.append_token_ids([forced[0]])
     b.append_token_ids([forced[1]])
-    copies = manager.append_slots(a, 1) + manager.append_slots(b, 1)
+    copies = manager.allocate_slots(a, 1) + manager.allocate_slots(b, 1)
     assert len(copies) == 1 and copies[0][0] == manager.get_block_table(b)[-1]  # the first writer copies
     cache.copy_blocks(copies)
     for _ in range(NEW):
         logits = paged_step(tiny, cache, manager, [a, b], [s.num_tokens - 1 for s in (a, b)])
         for s, tok in zip((a, b), logits.argmax(-1).tolist()):
             s.append_token_ids([tok])
-            cache.copy_blocks(manager.append_slots(s, 1))
+            cache.copy_blocks(manager.allocate_slots(s, 1))
     want = greedy_generate(tiny, [prompt + [forced[0]], prompt + [forced[1]]], NEW)
     assert [list(a.output_token_ids[1:]), list(b.output_token_ids[1:])] == want
     assert manager.get_block_table(a)[:2] == manager.get_block_table(b)[:2]  # the full blocks stay shared
@@ -107,7 +107,7 @@ def test_skipping_the_copy_corrupts_the_fork(tiny):
     paged_step(tiny, cache, manager, [a], [0])
     manager.fork(a, b)
     b.append_token_ids([3])
-    assert manager.append_slots(b, 1)  # a copy is due, and we skip it
+    assert manager.allocate_slots(b, 1)  # a copy is due, and we skip it
     logits = paged_step(tiny, cache, manager, [b], [len(prompt)])
     want = greedy_generate(tiny, [prompt + [3]], 1)[0]
     assert logits.argmax(-1).tolist() != want
@@ -122,7 +122,7 @@ def test_chunked_prefill_equals_one_prefill(tiny, chunks):
     done = 0
     for n in chunks:
         if s in manager:
-            manager.append_slots(s, n)
+            manager.allocate_slots(s, n)
         else:
             manager.allocate(s, n)
         logits = paged_step(tiny, cache, manager, [s], [done], [n])
@@ -137,7 +137,7 @@ def test_chunked_prefill_equals_one_prefill(tiny, chunks):
 
 
 def test_metadata_fields():
-    manager = BlockSpaceManager(8, 4, enable_prefix_caching=False)
+    manager = KVCacheManager(8, 4, enable_prefix_caching=False)
     a, b = Sequence("a", list(range(6))), Sequence("b", [1])
     manager.allocate(a)
     manager.allocate(b)
@@ -186,7 +186,7 @@ def test_course_model_with_shared_prefix_equals_contiguous(model, prompts):
     assert len(system) == 12
     batch = [system + prompts[0], system + prompts[3], prompts[1]]
     want = greedy_generate(model, batch, 5)
-    manager = BlockSpaceManager(blocks_needed(batch, 5, 4), 4)
+    manager = KVCacheManager(blocks_needed(batch, 5, 4), 4)
     cache = PagedKVCache.for_model(model.config, manager.num_blocks, 4)
     assert paged_greedy_generate(model, batch, 5, manager=manager, cache=cache) == want
     assert manager.prefix_cache_stats.hits == 12
@@ -198,7 +198,7 @@ def test_num_logits_returns_every_verified_position(tiny):
     """A verify step asks for the logits after each of a sequence's last m tokens: they equal the
     rows a full prefill computes at those positions, sequence by sequence."""
     prompts = [list(range(3, 14)), [9, 8, 7, 6, 5, 4]]
-    manager = BlockSpaceManager(16, 4)
+    manager = KVCacheManager(16, 4)
     cache = PagedKVCache.for_model(tiny.config, 16, 4)
     seqs = [Sequence(i, p, 4) for i, p in enumerate(prompts)]
     for s in seqs:
@@ -219,7 +219,7 @@ def _all_position_logits(model, prompts):
     """Logits at every position of each prompt, one prompt per paged step (all rows requested)."""
     out = []
     for i, p in enumerate(prompts):
-        manager = BlockSpaceManager(16, 4)
+        manager = KVCacheManager(16, 4)
         cache = PagedKVCache.for_model(model.config, 16, 4)
         s = Sequence(i, p, 4)
         manager.allocate(s)

@@ -8,11 +8,11 @@ import torch
 from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
 from radarlab.sample.sampler import sample
 from radarlab.sample.sampler import apply_top_k_top_p
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 
 
 def make(num_blocks=16, block_size=4, **kw):
-    manager = BlockSpaceManager(num_blocks, block_size)
+    manager = KVCacheManager(num_blocks, block_size)
     return manager, Scheduler(manager, **kw)
 
 
@@ -164,7 +164,7 @@ def test_a_prefix_hit_mid_prefill_finds_only_computed_blocks():
     manager, sched = make(num_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched.add_request(req("a", 20))
     run_step(sched)  # 8 of 20 computed: blocks 0, 1 hold K/V and are cached; nothing else is
-    assert manager.allocator.num_cached_blocks == 2
+    assert manager.block_pool.num_cached_blocks == 2
     sched.add_request(req("b", 20))
     out = run_step(sched)  # a's next chunk of 8 uses the whole budget: b waits
     assert [r.request_id for r in out.requests] == ["a"]
@@ -182,10 +182,10 @@ def test_abort_mid_prefill_uncaches_blocks_that_were_never_computed():
     sched.add_request(req("a", 20))
     run_step(sched)  # 8 computed: blocks 0, 1 hold K/V and are cached
     sched.schedule()  # the next chunk is reserved (blocks 2 and 3 registered) but never computed
-    assert manager.allocator.num_cached_blocks == 4
+    assert manager.block_pool.num_cached_blocks == 4
     sched.abort("a")
     assert manager.num_free_blocks == 32 and "a" not in manager
-    assert manager.allocator.num_cached_blocks == 2  # only the computed ones stay findable
+    assert manager.block_pool.num_cached_blocks == 2  # only the computed ones stay findable
     assert sched.abort("a") is None
 
 
@@ -206,7 +206,7 @@ def test_duplicate_request_id_raises():
 
 
 def test_scheduler_rejects_bad_limits():
-    manager = BlockSpaceManager(4, 4)
+    manager = KVCacheManager(4, 4)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         with pytest.raises(ValueError, match=name):
             Scheduler(manager, **{name: 0})

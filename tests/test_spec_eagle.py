@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from radarlab.engine import Engine, SamplingParams
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
@@ -166,7 +166,7 @@ def test_stochastic_drafts_q_is_the_draft_vocabulary_distribution(tiny, head_dir
 
 
 def test_paged_step_returns_the_features_the_lm_head_reads(tiny):
-    manager = BlockSpaceManager(16, 4, enable_prefix_caching=False)
+    manager = KVCacheManager(16, 4, enable_prefix_caching=False)
     cache = PagedKVCache.for_model(tiny.config, 16, 4)
     seqs = [Sequence(i, list(range(3 + 4 * i, 10 + 5 * i)), 4) for i in range(2)]
     for s in seqs:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from radarlab.sample.sampling_params import SamplingParams
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.paged_runner import paged_step
@@ -185,7 +185,7 @@ def test_the_same_test_rejects_biased_samplers(biased):
 
 
 def next_token_logits(model, ids):
-    manager = BlockSpaceManager(len(ids) // 16 + 1, 16)
+    manager = KVCacheManager(len(ids) // 16 + 1, 16)
     cache = PagedKVCache.for_model(model.config, manager.num_blocks, 16)
     seq = Sequence(0, ids, 16)
     manager.allocate(seq)

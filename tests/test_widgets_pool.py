@@ -7,7 +7,7 @@ import struct
 import pytest
 from matplotlib.figure import Figure
 
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.viz.pool import (
     DEFAULT_POOL_SCRIPT, PIXELS_PER_SLOT, TOKEN_FONT_SIZE, PoolOp, PoolState, apply_op, draw_pool, max_table_rows,
     pool_image_size, pool_snapshot, run_pool_script, sequence_colors,
@@ -79,7 +79,7 @@ def test_custom_script_and_pool():
 
 
 def test_snapshot_is_plain_data():
-    state = PoolState(BlockSpaceManager(6, 4))
+    state = PoolState(KVCacheManager(6, 4))
     apply_op(state, PoolOp("allocate", "p", [1, 2, 3, 4, 5]))
     apply_op(state, PoolOp("fork", "p", "q"))
     snap = pool_snapshot(state)
@@ -105,7 +105,7 @@ def test_draw_pool_labels_every_block_and_table_entry():
 
 def test_bad_op_raises():
     with pytest.raises(ValueError, match="op must be one of"):
-        apply_op(PoolState(BlockSpaceManager(4, 4)), PoolOp("alloc", "a", [1]))
+        apply_op(PoolState(KVCacheManager(4, 4)), PoolOp("alloc", "a", [1]))
 
 
 def png_size(png: bytes) -> tuple[int, int]:
@@ -170,7 +170,7 @@ def test_token_ids_stay_inside_their_slots(figsize, prompt):
     """In a smaller figure, or with longer ids, the font shrinks rather than spill into the next slot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    state = PoolState(BlockSpaceManager(10, 4))
+    state = PoolState(KVCacheManager(10, 4))
     apply_op(state, PoolOp("allocate", "p", prompt))
     fig = Figure(figsize=figsize)
     ax = fig.subplots()

@@ -44,8 +44,8 @@ from radarlab.lab.workload import WorkloadRequest, WorkloadSpec, length_summary,
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.sample.sampling_params import SamplingParams
 from radarlab.engine.scheduler import Scheduler
-from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager, BlockTable
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager, KVCacheBlocks
+from radarlab.kvcache.block_pool import NoFreeBlocks
 from radarlab.kvcache.sequence import Sequence
 from radarlab.util import cdiv, require_int, require_power_of_two
 
@@ -89,9 +89,9 @@ def paged(budget_tokens: int, block_size: int) -> Reservation:
     return Reservation("paged", block_size, num_blocks)
 
 
-class UpfrontBlockSpaceManager(BlockSpaceManager):
+class UpfrontBlockSpaceManager(KVCacheManager):
     """A reservation-based cache as a block manager of one-token blocks: allocate takes every position
-    the request may ever fill (reserve(seq) of them) at once, so append_slots never needs a block and
+    the request may ever fill (reserve(seq) of them) at once, so allocate_slots never needs a block and
     nothing is ever preempted. The scheduler cannot tell it from the paged manager."""
 
     def __init__(self, num_slots: int, reserve) -> None:
@@ -112,13 +112,13 @@ class UpfrontBlockSpaceManager(BlockSpaceManager):
             raise NoFreeBlocks(f"sequence {seq.seq_id!r} reserves {need} positions, {self.num_free_blocks} are free")
         num_new = seq.num_tokens if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1,
                                                                             seq.num_tokens)
-        self.block_tables[seq.seq_id] = BlockTable(1, self.allocator.allocate_many(need), num_new)
+        self.block_tables[seq.seq_id] = KVCacheBlocks(1, self.block_pool.allocate_many(need), num_new)
         return 0
 
 
-def _manager(reservation: Reservation, workload: dict, max_model_len: int) -> BlockSpaceManager:
+def _manager(reservation: Reservation, workload: dict, max_model_len: int) -> KVCacheManager:
     if reservation.upfront is None:
-        return BlockSpaceManager(reservation.num_blocks, reservation.block_size, enable_prefix_caching=False)
+        return KVCacheManager(reservation.num_blocks, reservation.block_size, enable_prefix_caching=False)
 
     def reserve(seq: Sequence) -> int:
         fills = workload[seq.seq_id].max_cached_tokens
@@ -252,7 +252,7 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
     return result
 
 
-def _record(result: SimResult, manager: BlockSpaceManager, scheduler: Scheduler, workload: dict,
+def _record(result: SimResult, manager: KVCacheManager, scheduler: Scheduler, workload: dict,
             num_computed: int) -> None:
     live = reserved = future = never = 0
     for request in scheduler.running:
@@ -288,12 +288,12 @@ def snapshot_utilisation(context_lens, max_model_len: int, block_size: int) -> t
 
 def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int, block_size: int) -> dict[str, list[int]]:
     """What a lone prompt prefilled in chunks holds after each step, in blocks: reserved for the whole
-    prompt at admission (vLLM v0's BlockSpaceManager, and this course's before it followed v1), against
+    prompt at admission (vLLM v0's KVCacheManager, and this course's before it followed v1), against
     reserved for the tokens scheduled so far (vLLM v1's allocate_slots, run here by the real Scheduler).
     "written" counts the blocks that hold computed K/V; the rest of what a policy holds sits unwritten.
     """
     prompt_len = require_int("prompt_len", prompt_len)
-    manager = BlockSpaceManager(cdiv(prompt_len, block_size), block_size, enable_prefix_caching=False)
+    manager = KVCacheManager(cdiv(prompt_len, block_size), block_size, enable_prefix_caching=False)
     scheduler = Scheduler(manager, 1, max_num_batched_tokens, max_model_len=prompt_len + 1)
     request = Request(0, [0] * prompt_len, SamplingParams(max_tokens=1))
     scheduler.add_request(request)

@@ -26,7 +26,7 @@ from radarlab.sample.sampling_params import SamplingParams
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.sample.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
 from radarlab.models.paged_runner import paged_step
@@ -76,7 +76,7 @@ class Engine:
             num_blocks = num_blocks_for_budget(kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                block_size, kv_cache_dtype, param.dtype, max_num_seqs)
         self.model = model
-        self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
                                             backend=backend, kv_cache_dtype=kv_cache_dtype,
                                             max_num_seqs=max_num_seqs, cpu_ops=cpu_ops)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
+from radarlab.kvcache.block_pool import NoFreeBlocks
 from radarlab.util import require_int, require_number
 
 
@@ -49,7 +49,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, manager: BlockSpaceManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
+    def __init__(self, manager: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, watermark: float = 0.0) -> None:
         for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)]:
@@ -121,7 +121,7 @@ class Scheduler:
             n = min(request.num_tokens_with_spec - computed, budget)  # 1 for a decode, a chunk, or 1 + drafts
             # drafts that do not fit the budget are dropped (they are guesses: nothing is lost)
             self._keep_drafts(request, computed + n - request.num_tokens)
-            if not self._append_or_preempt(request, computed + n - self.manager.num_slots(request), out):
+            if not self._allocate_or_preempt(request, computed + n - self.manager.num_slots(request), out):
                 break  # the request preempted itself: nothing after it is running
             self._schedule(out, request, computed, n)
             budget -= n
@@ -200,13 +200,13 @@ class Scheduler:
             request.spec_token_ids = request.spec_token_ids[:keep]
             request.spec_probs = request.spec_probs[:keep] if request.spec_probs is not None and keep else None
 
-    def _append_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
+    def _allocate_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
         """Reserve slots for the request's next num_new_slots tokens (its drafts' too, as lookahead;
         none where slots a rejected draft left already cover them), preempting the newest running
         requests until they fit. False if the request had to preempt itself."""
         while True:
             try:
-                out.copy_pairs += self.manager.append_slots(request, max(0, num_new_slots),
+                out.copy_pairs += self.manager.allocate_slots(request, max(0, num_new_slots),
                                                             len(request.spec_token_ids))
                 return True
             except NoFreeBlocks:

@@ -2,7 +2,7 @@
 
 Instead of reserving max_len positions per sequence (contiguous.py), memory is cut into blocks of
 block_size tokens. A sequence owns a list of blocks (its block table, kept by the block manager in
-block_table.py) and grows one block at a time, so at most block_size - 1 positions per sequence are
+kv_cache_manager.py) and grows one block at a time, so at most block_size - 1 positions per sequence are
 ever wasted. The pool of one layer is [num_blocks, block_size, num_kv_heads, head_dim], vLLM's flash
 layout: one token's K (or V) for all heads is one contiguous row, and so is a whole block.
 

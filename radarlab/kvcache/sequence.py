@@ -17,7 +17,7 @@ from typing import Hashable, Iterable
 
 import torch
 
-from radarlab.kvcache.blocks import BlockHash, hash_block_tokens
+from radarlab.kvcache.block_pool import BlockHash, hash_block_tokens
 from radarlab.util import require_power_of_two
 
 SeqId = Hashable

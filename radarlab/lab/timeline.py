@@ -103,7 +103,7 @@ def record_step(engine, step: int) -> tuple[list, StepRecord]:
     waiting = tuple(rid for rid in engine.scheduler.requests if rid not in ran)  # unfinished, no tokens
     running = {r.request_id for r in engine.scheduler.running} | (ran & set(finished))
     return outputs, StepRecord(step, scheduled, waiting, tuple(r.request_id for r in sched.preempted), finished,
-                               len(running), engine.manager.allocator.num_used_blocks, seconds)
+                               len(running), engine.manager.block_pool.num_used_blocks, seconds)
 
 
 def run_recorded(engine, first_step: int = 0, max_steps: int = 100_000) -> list[StepRecord]:

@@ -1,15 +1,15 @@
 """Run the model on the paged KV cache: one forward step for a set of sequences, and greedy generation.
 
-The block manager (radarlab.kvcache.block_table) decides where every token's K/V lives; the pool
+The block manager (radarlab.kvcache.kv_cache_manager) decides where every token's K/V lives; the pool
 (radarlab.kvcache.paged_cache) holds it; this module turns the manager's state into one packed forward
 pass. It plays the part of vLLM's model runner (vllm/v1/worker/gpu_model_runner.py), which builds
 input ids, positions, slot mapping and block tables from the scheduler's output.
 
 The contract, in vLLM's words: a sequence holds num_tokens token ids with slots reserved (by
-allocate or append_slots); the first num_computed_tokens of them already have K/V in the pool
+allocate or allocate_slots); the first num_computed_tokens of them already have K/V in the pool
 (computed earlier, or found in the prefix cache); a step computes the next num_scheduled_tokens of
 them, writing their K/V at their slots, and returns the logits after the last one. Copy-on-write
-pairs that append_slots returned must be copied (PagedKVCache.copy_blocks) before the step runs.
+pairs that allocate_slots returned must be copied (PagedKVCache.copy_blocks) before the step runs.
 """
 from __future__ import annotations
 
@@ -20,13 +20,13 @@ import torch
 from radarlab.attention.backends import build_metadata
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.util import cdiv
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import check_prompts
 from radarlab.models.llama import final_features
 
-def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num_computed_tokens: SequenceType[int],
+def paged_metadata(manager: KVCacheManager, seqs: SequenceType[Sequence], num_computed_tokens: SequenceType[int],
                    num_scheduled_tokens: SequenceType[int], device: str | torch.device | None = None
                    ) -> AttentionMetadata:
     """AttentionMetadata for computing tokens num_computed .. num_computed+num_scheduled-1 of each sequence,
@@ -57,7 +57,7 @@ def paged_metadata(manager: BlockSpaceManager, seqs: SequenceType[Sequence], num
 
 
 @torch.inference_mode()
-def paged_step(model, cache: PagedKVCache, manager: BlockSpaceManager, seqs: SequenceType[Sequence],
+def paged_step(model, cache: PagedKVCache, manager: KVCacheManager, seqs: SequenceType[Sequence],
                num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int] | None = None,
                num_logits: SequenceType[int] | None = None, return_features: bool = False,
                spec_token_ids: SequenceType[SequenceType[int]] | None = None):
@@ -118,14 +118,14 @@ def blocks_needed(prompts: SequenceType[SequenceType[int]], max_new_tokens: int,
 
 @torch.inference_mode()
 def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *,
-                          manager: BlockSpaceManager | None = None, cache: PagedKVCache | None = None,
+                          manager: KVCacheManager | None = None, cache: PagedKVCache | None = None,
                           block_size: int = 16, enable_prefix_caching: bool = True, backend: str = "torch",
                           eos_token_id: int | None = None, seq_ids: SequenceType[Hashable] | None = None,
                           free_finished: bool = True, kv_cache_dtype: str = "auto") -> list[list[int]]:
     """greedy_generate on the paged cache: same arguments, same result (new tokens per prompt).
 
     Each prompt becomes a Sequence; all are allocated first (prefix-cache hits skip their cached
-    blocks), prefilled in one packed step, then decoded together, one append_slots per token. Pass
+    blocks), prefilled in one packed step, then decoded together, one allocate_slots per token. Pass
     manager and cache to keep them across calls (a later call then hits the blocks this one cached);
     by default both are made to fit, the pool in kv_cache_dtype (a name of radarlab.quant.formats).
     Finished sequences are freed unless free_finished is False. There
@@ -137,7 +137,7 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
         raise ValueError("pass both manager and cache, or neither")
     if manager is None:
         num_blocks = blocks_needed(prompts, max_new_tokens, block_size)
-        manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching)
+        manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         param = next(model.parameters())
         cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
                                        backend=backend, kv_cache_dtype=kv_cache_dtype)
@@ -158,7 +158,7 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
             computed[s.seq_id] = s.num_tokens
             s.append_token_ids([tok])
             if s.num_output_tokens < max_new_tokens and tok != eos_token_id:
-                cache.copy_blocks(manager.append_slots(s, 1))
+                cache.copy_blocks(manager.allocate_slots(s, 1))
                 still.append(s)
             elif free_finished:
                 manager.free(s)
@@ -169,7 +169,7 @@ def paged_greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, 
 def prefill_metadata(cache: PagedKVCache, token_ids: SequenceType[int], backend=None) -> AttentionMetadata:
     """The metadata of one step that prefills one sequence from an empty pool (a fresh block manager
     over the pool's blocks), built by `backend` (default: the cache's, radarlab.attention.backends)."""
-    manager = BlockSpaceManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
+    manager = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
     seq = Sequence(0, list(token_ids), cache.block_size)
     manager.allocate(seq)  # NoFreeBlocks when the pool is too small for the sequence
     return build_metadata(cache, paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device), backend)

@@ -1,8 +1,8 @@
 """Drafts from a smaller causal LM with the target's tokenizer (vLLM's draft_model method).
 
-The draft keeps its own paged KV cache: its own BlockSpaceManager and PagedKVCache, holding a copy
+The draft keeps its own paged KV cache: its own KVCacheManager and PagedKVCache, holding a copy
 (a Sequence) of each request's tokens. Each call first brings that copy in line with the request:
-rejected drafts are rolled back (BlockSpaceManager.rollback_slots frees their blocks), accepted drafts
+rejected drafts are rolled back (KVCacheManager.rollback_slots frees their blocks), accepted drafts
 keep the K/V the draft computed while proposing them, and new tokens are appended. Then the draft
 runs k single-token steps for all requests together (the first step also catches up on whatever
 the draft has not computed: the whole prompt the first time, the target's token afterwards).
@@ -25,8 +25,8 @@ import torch
 from torch import nn
 
 from radarlab.sample.sampler import probabilities
-from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
+from radarlab.kvcache.block_pool import NoFreeBlocks
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.paged_runner import paged_step
@@ -64,7 +64,7 @@ class DraftModelProposer:
                              f"a draft_model must share the target's tokenizer")
         self.model = model
         self.num_speculative_tokens = require_int("num_speculative_tokens", num_speculative_tokens, 0)
-        self.manager = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching=False)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         param = next(model.parameters())
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
                                             backend=backend)
@@ -106,7 +106,7 @@ class DraftModelProposer:
         back) when the draft's pool is full: that request stops drafting this step."""
         seq.append_token_ids([token])
         try:
-            self.cache.copy_blocks(self.manager.append_slots(seq, 1))
+            self.cache.copy_blocks(self.manager.allocate_slots(seq, 1))
         except NoFreeBlocks:
             seq.truncate(seq.num_tokens - 1)
             return False
@@ -141,7 +141,7 @@ class DraftModelProposer:
             self.num_computed[seq.seq_id] = 0
             return True
         try:
-            self.cache.copy_blocks(self.manager.append_slots(seq, seq.num_tokens - self.manager.num_slots(seq)))
+            self.cache.copy_blocks(self.manager.allocate_slots(seq, seq.num_tokens - self.manager.num_slots(seq)))
         except NoFreeBlocks:
             self.free(request.request_id)
             return False

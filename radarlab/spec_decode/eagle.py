@@ -8,7 +8,7 @@ request's num_tokens - 1 at the next `propose`). The head then catches up on tho
 then drafts up to k tokens reading its own outputs, all requests in one head forward per draft
 position (draft_head.draft_chain, the loop draft_eval measures).
 
-The head's one-layer K/V lives in a paged cache with its own BlockSpaceManager, kept in line with
+The head's one-layer K/V lives in a paged cache with its own KVCacheManager, kept in line with
 each request's tokens by DraftModelProposer's bookkeeping (rejected drafts roll back, accepted ones
 are recomputed from true features). Only the features not yet consumed are kept, plus the last
 one: the head re-reads it when a request comes back without new positions.

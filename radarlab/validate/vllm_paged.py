@@ -9,7 +9,7 @@ Three comparisons, all at a block size vLLM's CPU build accepts:
    at and past a block. First with the kernel vLLM picks itself ("auto", as its engine does), then
    with every kernel ("ISA": vec, vec16, amx) this CPU can run, asked for by name, since which one
    vLLM picks depends on the CPU (radarlab.lab.machine).
-2. The course model on PagedKVCache + BlockSpaceManager, greedy, against vLLM's engine with the same
+2. The course model on PagedKVCache + KVCacheManager, greedy, against vLLM's engine with the same
    block size, by vLLM's own rule (compare.py).
 3. Prefix caching on a shared-prefix workload sent in two batches: per request, the prompt tokens each
    side served from its cache (vLLM's RequestOutput.num_cached_tokens), and the counters behind the
@@ -36,7 +36,7 @@ from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import cpu_kind
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
 from radarlab.util import cdiv
-from radarlab.kvcache.block_table import BlockSpaceManager
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.validate.compare import compare_greedy, max_logprob_diff, topk_logprobs
 from radarlab.validate.table import Row
@@ -238,8 +238,8 @@ def prefix_workload(tokenizer, block_size: int = ENGINE_BLOCK_SIZE) -> list[list
     return [[ids[0]], [*ids[1:], ids[0], aligned, unrelated]]
 
 
-class _RecordingBlockSpaceManager(BlockSpaceManager):
-    """A BlockSpaceManager that remembers what allocate returned (the prompt tokens found in the
+class _RecordingBlockSpaceManager(KVCacheManager):
+    """A KVCacheManager that remembers what allocate returned (the prompt tokens found in the
     prefix cache) per sequence, to set beside vLLM's per-request num_cached_tokens."""
 
     def __init__(self, *args, **kwargs) -> None:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
 
-from radarlab.kvcache.block_table import BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
+from radarlab.kvcache.block_pool import NoFreeBlocks
 from radarlab.kvcache.sequence import Sequence as TokenSequence
 
 SeqId = Hashable
@@ -52,7 +52,7 @@ DEFAULT_POOL = dict(num_blocks=10, block_size=4)
 @dataclass
 class PoolState:
     """A block manager and the sequences it serves: the manager owns blocks, each sequence its tokens."""
-    manager: BlockSpaceManager
+    manager: KVCacheManager
     seqs: dict = field(default_factory=dict)
 
 
@@ -87,10 +87,10 @@ def apply_op(state: PoolState, op: PoolOp) -> OpResult:
             new = list(arg)
             sequence = state.seqs[seq]
             before = sequence.num_tokens
-            if not manager.can_append_slots(sequence, len(new)):
+            if not manager.can_allocate_slots(sequence, len(new)):
                 raise NoFreeBlocks(f"{len(new)} more tokens need a block and none is free")
             sequence.append_token_ids(new)
-            copies = manager.append_slots(sequence, len(new))
+            copies = manager.allocate_slots(sequence, len(new))
             table = manager.get_block_table(seq)
             text = f"append {len(new)} token{'s' * (len(new) != 1)} to {seq}: {before} -> {before + len(new)} tokens, blocks {table}"
             for src, dst in copies:
@@ -113,7 +113,7 @@ def apply_op(state: PoolState, op: PoolOp) -> OpResult:
 def run_pool_script(script: Sequence[PoolOp], num_blocks: int, block_size: int, steps: int | None = None,
                     enable_prefix_caching: bool = True) -> tuple[PoolState, OpResult | None]:
     """A fresh pool after the first `steps` operations of script (all by default), and the last result."""
-    state = PoolState(BlockSpaceManager(num_blocks, block_size, enable_prefix_caching))
+    state = PoolState(KVCacheManager(num_blocks, block_size, enable_prefix_caching))
     result = None
     for op in script[:len(script) if steps is None else steps]:
         result = apply_op(state, op)
@@ -161,7 +161,7 @@ class PoolSnapshot:
 def pool_snapshot(state: PoolState, copies: Sequence[tuple[int, int]] = (), caption: str = "") -> PoolSnapshot:
     """The pool's state as plain data (nothing in it refers back to the manager or the sequences)."""
     manager = state.manager
-    alloc = manager.allocator
+    alloc = manager.block_pool
     bs = manager.block_size
     holders: dict[int, list] = {}
     tokens: dict[int, tuple] = {}
@@ -230,7 +230,7 @@ def pool_image_size(num_blocks: int, block_size: int, num_rows: int,
 def max_table_rows(script: Sequence[PoolOp], num_blocks: int, block_size: int,
                    enable_prefix_caching: bool = True) -> int:
     """The most sequences holding blocks at once while the script runs: the tallest picture it needs."""
-    state = PoolState(BlockSpaceManager(num_blocks, block_size, enable_prefix_caching))
+    state = PoolState(KVCacheManager(num_blocks, block_size, enable_prefix_caching))
     most = 0
     for op in script:
         apply_op(state, op)

@@ -115,7 +115,7 @@ def kv_calculator(**defaults) -> KVCalculator:
 
 
 class BlockPoolStepper(widgets.VBox):
-    """Steps through a script of allocate / append / fork / free on a BlockSpaceManager and draws the
+    """Steps through a script of allocate / append / fork / free on a KVCacheManager and draws the
     block tables and the physical pool after each step (radarlab.viz.pool does the work).
 
     Buttons: `back_button`, `next_button`, `reset_button` (tests press them with .click()).

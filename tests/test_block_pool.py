@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from radarlab.kvcache.blocks import (
-    BlockAllocator, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
+from radarlab.kvcache.block_pool import (
+    BlockPool, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
 )
 
 
-def state(a: BlockAllocator):
+def state(a: BlockPool):
     """Everything an allocation could change, to check that a failed one changed nothing."""
     return (list(a.ref_counts), list(a.block_hashes), list(a.free_block_ids), list(a.evictable),
             dict(a.cached_block_ids))
@@ -18,23 +18,23 @@ def state(a: BlockAllocator):
 @pytest.mark.parametrize("block_size", [0, -4, 3, 6, 24, 2.0, True, None])
 def test_invalid_block_size_names_the_field(block_size):
     with pytest.raises(ValueError, match="block_size"):
-        BlockAllocator(8, block_size)
+        BlockPool(8, block_size)
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1, 2.5, None])
 def test_invalid_num_blocks_names_the_field(num_blocks):
     with pytest.raises(ValueError, match="num_blocks"):
-        BlockAllocator(num_blocks, 16)
+        BlockPool(num_blocks, 16)
 
 
 @pytest.mark.parametrize("block_size", [1, 2, 4, 8, 16, 32, 256])
 def test_powers_of_two_accepted(block_size):
-    assert BlockAllocator(4, block_size).block_size == block_size
+    assert BlockPool(4, block_size).block_size == block_size
 
 
 @pytest.mark.parametrize("block_id", [-1, 4, 100])
 def test_block_id_outside_pool_raises(block_id):
-    a = BlockAllocator(4, 16)
+    a = BlockPool(4, 16)
     for op in (a.free, a.incref, a.ref_count, a.uncache_block):
         with pytest.raises(ValueError, match="outside the pool"):
             op(block_id)
@@ -42,7 +42,7 @@ def test_block_id_outside_pool_raises(block_id):
 
 # --- free list and reference counts -----------------------------------------------------------
 def test_allocate_and_free_counts():
-    a = BlockAllocator(4, 16)
+    a = BlockPool(4, 16)
     assert a.allocate_many(3) == [0, 1, 2]
     assert (a.num_free_blocks, a.num_used_blocks, a.usage) == (1, 3, 0.75)
     a.free(1)
@@ -51,7 +51,7 @@ def test_allocate_and_free_counts():
 
 
 def test_double_free_raises():
-    a = BlockAllocator(4, 16)
+    a = BlockPool(4, 16)
     b = a.allocate()
     a.free(b)
     with pytest.raises(ValueError, match="double free of block 0"):
@@ -61,7 +61,7 @@ def test_double_free_raises():
 
 
 def test_freeing_shared_block_only_decrements():
-    a = BlockAllocator(2, 16)
+    a = BlockPool(2, 16)
     b = a.allocate()
     a.incref(b)
     a.free(b)
@@ -71,7 +71,7 @@ def test_freeing_shared_block_only_decrements():
 
 
 def test_out_of_blocks_raises_and_changes_nothing():
-    a = BlockAllocator(3, 4)
+    a = BlockPool(3, 4)
     a.allocate()
     before = state(a)
     with pytest.raises(NoFreeBlocks, match="need 3 free KV blocks, only 2"):
@@ -85,7 +85,7 @@ def test_out_of_blocks_raises_and_changes_nothing():
 
 
 def test_incref_of_plain_free_block_raises():
-    a = BlockAllocator(2, 4)
+    a = BlockPool(2, 4)
     with pytest.raises(ValueError, match="holds no cached content"):
         a.incref(0)
 
@@ -111,7 +111,7 @@ def test_hash_is_stable_across_processes():
 
 # --- prefix cache -----------------------------------------------------------------------------
 def test_freed_cached_block_stays_findable_until_evicted():
-    a = BlockAllocator(2, 4)
+    a = BlockPool(2, 4)
     b = a.allocate()
     h = hash_block_tokens(None, [1, 2, 3, 4])
     assert a.cache_full_block(b, h)
@@ -127,7 +127,7 @@ def test_freed_cached_block_stays_findable_until_evicted():
 
 
 def test_lru_evicts_least_recently_freed_first():
-    a = BlockAllocator(4, 1)
+    a = BlockPool(4, 1)
     blocks = a.allocate_many(3)
     hashes = [hash_block_tokens(None, [t]) for t in range(3)]
     for b, h in zip(blocks, hashes):
@@ -140,7 +140,7 @@ def test_lru_evicts_least_recently_freed_first():
 
 
 def test_hit_refreshes_lru_position():
-    a = BlockAllocator(2, 1)
+    a = BlockPool(2, 1)
     b0, b1 = a.allocate_many(2)
     a.cache_full_block(b0, b"h0")
     a.cache_full_block(b1, b"h1")
@@ -152,7 +152,7 @@ def test_hit_refreshes_lru_position():
 
 
 def test_duplicate_content_keeps_first_cached_block():
-    a = BlockAllocator(2, 4)
+    a = BlockPool(2, 4)
     b0, b1 = a.allocate_many(2)
     assert a.cache_full_block(b0, b"h")
     assert not a.cache_full_block(b1, b"h")
@@ -162,7 +162,7 @@ def test_duplicate_content_keeps_first_cached_block():
 
 
 def test_find_longest_cache_hit_stops_at_first_miss():
-    a = BlockAllocator(4, 4)
+    a = BlockPool(4, 4)
     chain = hash_block_chain(list(range(16)), 4)
     for b, h in zip(a.allocate_many(4), chain):
         a.cache_full_block(b, h)
@@ -171,7 +171,7 @@ def test_find_longest_cache_hit_stops_at_first_miss():
 
 
 def test_prefix_caching_disabled_never_caches():
-    a = BlockAllocator(2, 4, enable_prefix_caching=False)
+    a = BlockPool(2, 4, enable_prefix_caching=False)
     b = a.allocate()
     assert not a.cache_full_block(b, b"h")
     assert a.get_cached_block(b"h") is None
@@ -180,7 +180,7 @@ def test_prefix_caching_disabled_never_caches():
 
 
 def test_reset_prefix_cache():
-    a = BlockAllocator(2, 4)
+    a = BlockPool(2, 4)
     b = a.allocate()
     a.cache_full_block(b, b"h")
     assert not a.reset_prefix_cache()  # a block is in use

@@ -1,6 +1,6 @@
 """Per-sequence block tables and the operations a scheduler performs on them.
 
-A sequence's KV lives in fixed-size blocks scattered through the pool. Its BlockTable lists them
+A sequence's KV lives in fixed-size blocks scattered through the pool. Its KVCacheBlocks lists them
 in order: logical block i (positions i*block_size .. (i+1)*block_size-1) lives in physical block
 block_ids[i]. A token at position p is written to
 
@@ -10,10 +10,14 @@ which is a row of the pool viewed as [num_blocks * block_size, num_kv_heads, hea
 
 The manager owns blocks, never tokens. A sequence's token ids and block hashes live in its
 Sequence (radarlab.kvcache.sequence; the engine's Request is one), which every method takes and
-reads, as vLLM v1's KVCacheManager reads its Request. BlockSpaceManager is named after vLLM's v0
-manager, whose operations it keeps (can_allocate, allocate, append_slots returning copy-on-write
-pairs, fork, free), plus rollback_slots for a draft model's own sequences. It never changes a
-sequence's tokens.
+reads, as vLLM v1's KVCacheManager (vllm/v1/core/kv_cache_manager.py) reads its Request, and never
+changes them. Its names are v1's where v1 has the operation: get_computed_blocks, allocate_slots
+(slots for a step's next tokens, drafts as lookahead), free, over a BlockPool. Where radarlab keeps
+its own, it says why: admission is allocate (v1 folds it into allocate_slots with the computed blocks
+passed in; here it also answers whether the whole prompt fits, can_allocate, because the scheduler
+errors out a request that never can), copy-on-write pairs come back from allocate_slots (v1 has no
+fork: it has no parallel sampling by block sharing), and rollback_slots frees a draft model's own
+slots after a rejection.
 
 Allocation follows vLLM 0.32's v1 scheduler:
 - admission needs room for the whole sequence (scheduler_reserve_full_isl, on by default), so a
@@ -24,7 +28,7 @@ Allocation follows vLLM 0.32's v1 scheduler:
 Contract with the pool: every call reserves slots for the next tokens, and the caller writes their
 K/V in the next forward pass. Blocks that become full are registered in the prefix cache when they
 are reserved, as vLLM does; since only the tokens of this step are reserved, every registered block
-is written by the end of the step. Copy-on-write pairs returned by append_slots must be copied
+is written by the end of the step. Copy-on-write pairs returned by allocate_slots must be copied
 before that forward pass writes.
 """
 from __future__ import annotations
@@ -35,7 +39,7 @@ from typing import Hashable, Sequence as SequenceType
 
 import torch
 
-from radarlab.kvcache.blocks import BlockAllocator, NoFreeBlocks, PrefixCacheStats
+from radarlab.kvcache.block_pool import BlockPool, NoFreeBlocks, PrefixCacheStats
 from radarlab.kvcache.sequence import Sequence
 from radarlab.util import cdiv, require_int
 
@@ -43,9 +47,11 @@ SeqId = Hashable
 
 
 @dataclass
-class BlockTable:
-    """One sequence's physical blocks in logical order. Positions 0..num_slots-1 have slots;
-    the first num_cached_blocks blocks have been offered to the prefix cache."""
+class KVCacheBlocks:
+    """One sequence's physical blocks in logical order: the scheduler side's list, as vLLM's
+    KVCacheBlocks (the worker side's tensor is block_table_tensor's output). Positions
+    0..num_slots-1 have slots; the first num_cached_blocks blocks have been offered to the prefix
+    cache."""
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_slots: int = 0
@@ -63,8 +69,8 @@ class BlockTable:
                              f"{self.num_slots} positions that have slots")
         return [self.slot(p) for p in range(start_pos, start_pos + num_tokens)]
 
-    def copy(self) -> "BlockTable":
-        return BlockTable(self.block_size, list(self.block_ids), self.num_slots, self.num_cached_blocks)
+    def copy(self) -> "KVCacheBlocks":
+        return KVCacheBlocks(self.block_size, list(self.block_ids), self.num_slots, self.num_cached_blocks)
 
 
 class AllocStatus(enum.Enum):
@@ -80,25 +86,25 @@ class AllocStatus(enum.Enum):
         return self is AllocStatus.OK
 
 
-class BlockSpaceManager:
-    """Block tables of all live sequences over one BlockAllocator."""
+class KVCacheManager:
+    """Block tables of all live sequences over one BlockPool."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.allocator = BlockAllocator(num_blocks, block_size, enable_prefix_caching)
+        self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
-        self.block_tables: dict[SeqId, BlockTable] = {}
+        self.block_tables: dict[SeqId, KVCacheBlocks] = {}
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        return self.block_pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        return self.block_pool.num_free_blocks
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats:
-        return self.allocator.prefix_cache_stats
+        return self.block_pool.prefix_cache_stats
 
     def __contains__(self, seq) -> bool:
         return _seq_id(seq) in self.block_tables
@@ -113,11 +119,11 @@ class BlockSpaceManager:
         step still yields logits (vLLM does the same; with a block-aligned, fully cached prompt the
         whole last block is recomputed).
         """
-        if not self.allocator.enable_prefix_caching:
+        if not self.block_pool.enable_prefix_caching:
             return [], 0
         seq.bind_block_size(self.block_size)
         hashes = seq.block_hashes[:(seq.num_tokens - 1) // self.block_size]
-        hit = self.allocator.find_longest_cache_hit(hashes)
+        hit = self.block_pool.find_longest_cache_hit(hashes)
         return hit, len(hit) * self.block_size
 
     def can_allocate(self, seq: Sequence, watermark_blocks: int = 0) -> AllocStatus:
@@ -153,21 +159,21 @@ class BlockSpaceManager:
         num_new = remaining if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1, remaining)
         num_slots = num_computed + num_new
         for block_id in hit:
-            self.allocator.incref(block_id)
-        new_blocks = self.allocator.allocate_many(cdiv(num_slots, self.block_size) - len(hit))
-        table = BlockTable(self.block_size, hit + new_blocks, num_slots, len(hit))
+            self.block_pool.incref(block_id)
+        new_blocks = self.block_pool.allocate_many(cdiv(num_slots, self.block_size) - len(hit))
+        table = KVCacheBlocks(self.block_size, hit + new_blocks, num_slots, len(hit))
         self.block_tables[seq.seq_id] = table
         self._cache_full_blocks(seq, table)
-        if self.allocator.enable_prefix_caching:
+        if self.block_pool.enable_prefix_caching:
             num_query_blocks = (seq.num_tokens - 1) // self.block_size
             self.prefix_cache_stats.record(seq.num_tokens, num_computed, num_query_blocks, len(hit))
         return num_computed
 
     # --- growing ----------------------------------------------------------------------------------
-    def can_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
+    def can_allocate_slots(self, seq: Sequence, num_new_tokens: int = 1) -> bool:
         return self._append_cost(self._table(seq), num_new_tokens) <= self.num_free_blocks
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1, num_lookahead_tokens: int = 0
+    def allocate_slots(self, seq: Sequence, num_new_tokens: int = 1, num_lookahead_tokens: int = 0
                      ) -> list[tuple[int, int]]:
         """Reserve slots for the sequence's next num_new_tokens tokens: one for a decode step, a chunk
         for a prompt prefilled in chunks, 1 + k for a speculative verify step. The tokens must be in the
@@ -195,16 +201,16 @@ class BlockSpaceManager:
         copies = []
         if table.num_slots % self.block_size:  # the next token lands in the last block
             last = table.block_ids[-1]
-            if self.allocator.ref_count(last) > 1:  # shared: write into a private copy
-                copy = self.allocator.allocate()
-                self.allocator.free(last)
+            if self.block_pool.ref_count(last) > 1:  # shared: write into a private copy
+                copy = self.block_pool.allocate()
+                self.block_pool.free(last)
                 table.block_ids[-1] = copy
                 copies.append((last, copy))
-            elif self.allocator.block_hashes[last] is not None:
+            elif self.block_pool.block_hashes[last] is not None:
                 # Ours alone, but still cached from before a rollback_slots: its content is about to change.
-                self.allocator.uncache_block(last)
+                self.block_pool.uncache_block(last)
         num_new_blocks = cdiv(table.num_slots + num_new, self.block_size) - len(table.block_ids)
-        table.block_ids += self.allocator.allocate_many(num_new_blocks)
+        table.block_ids += self.block_pool.allocate_many(num_new_blocks)
         table.num_slots += num_new
         self._cache_full_blocks(seq, table)
         return copies
@@ -221,14 +227,14 @@ class BlockSpaceManager:
                              f"{parent.seq_id!r} has slots for, so it cannot share its blocks")
         child.bind_block_size(self.block_size)
         for block_id in table.block_ids:
-            self.allocator.incref(block_id)
+            self.block_pool.incref(block_id)
         self.block_tables[child.seq_id] = table
 
     def rollback_slots(self, seq: Sequence, num_slots: int) -> None:
         """Keep slots for the sequence's first num_slots positions only; blocks left empty are freed.
         The caller has already dropped the tokens (a draft model's own copy of a sequence, after its
         drafts were rejected); the engine's target requests keep their slots instead, as vLLM does.
-        A block left partly filled keeps its content until the next append_slots writes into it
+        A block left partly filled keeps its content until the next allocate_slots writes into it
         (then it is copied if shared, or uncached if cached).
         """
         table = self._table(seq)
@@ -238,7 +244,7 @@ class BlockSpaceManager:
                              f"{num_slots}")
         num_kept = cdiv(num_slots, self.block_size)
         for block_id in reversed(table.block_ids[num_kept:]):
-            self.allocator.free(block_id)
+            self.block_pool.free(block_id)
         del table.block_ids[num_kept:]
         table.num_slots = num_slots
         table.num_cached_blocks = min(table.num_cached_blocks, num_slots // self.block_size)
@@ -256,11 +262,11 @@ class BlockSpaceManager:
             raise KeyError(f"sequence {seq_id!r} has no block table (never allocated, or already freed)")
         if num_computed_tokens is not None:
             for block_id in table.block_ids[num_computed_tokens // self.block_size:]:
-                if self.allocator.ref_count(block_id) == 1:
-                    self.allocator.uncache_block(block_id)
+                if self.block_pool.ref_count(block_id) == 1:
+                    self.block_pool.uncache_block(block_id)
         del self.block_tables[seq_id]
         for block_id in reversed(table.block_ids):
-            self.allocator.free(block_id)
+            self.block_pool.free(block_id)
 
     # --- what the pool and attention read -----------------------------------------------------
     def get_block_table(self, seq) -> list[int]:
@@ -310,7 +316,7 @@ class BlockSpaceManager:
         return out.to(device) if device is not None else out
 
     # --- helpers --------------------------------------------------------------------------
-    def _table(self, seq) -> BlockTable:
+    def _table(self, seq) -> KVCacheBlocks:
         seq_id = _seq_id(seq)
         table = self.block_tables.get(seq_id)
         if table is None:
@@ -319,26 +325,26 @@ class BlockSpaceManager:
 
     def _blocks_to_take(self, num_required: int, hit: list[int]) -> int:
         """Free blocks a sequence uses up: fresh ones, plus cache hits revived from the evictable set."""
-        num_revived = sum(self.allocator.ref_count(b) == 0 for b in hit)
+        num_revived = sum(self.block_pool.ref_count(b) == 0 for b in hit)
         return num_required - len(hit) + num_revived
 
-    def _append_cost(self, table: BlockTable, num_new_tokens: int) -> int:
+    def _append_cost(self, table: KVCacheBlocks, num_new_tokens: int) -> int:
         num_new_tokens = require_int("num_new_tokens", num_new_tokens, 0)
         if num_new_tokens == 0:
             return 0
         num_new_blocks = cdiv(table.num_slots + num_new_tokens, self.block_size) - len(table.block_ids)
-        cow = table.num_slots % self.block_size != 0 and self.allocator.ref_count(table.block_ids[-1]) > 1
+        cow = table.num_slots % self.block_size != 0 and self.block_pool.ref_count(table.block_ids[-1]) > 1
         return num_new_blocks + int(cow)
 
-    def _cache_full_blocks(self, seq: Sequence, table: BlockTable) -> None:
+    def _cache_full_blocks(self, seq: Sequence, table: KVCacheBlocks) -> None:
         """Offer each block that has become full (of this sequence's own tokens) to the prefix cache,
         under the hash the sequence computed for it."""
-        if not self.allocator.enable_prefix_caching:
+        if not self.block_pool.enable_prefix_caching:
             return
         num_full = min(table.num_slots, seq.num_tokens) // self.block_size
         hashes = seq.block_hashes
         for i in range(table.num_cached_blocks, num_full):
-            self.allocator.cache_full_block(table.block_ids[i], hashes[i])
+            self.block_pool.cache_full_block(table.block_ids[i], hashes[i])
         table.num_cached_blocks = max(table.num_cached_blocks, num_full)
 
 

@@ -1,4 +1,5 @@
-"""The block allocator: which physical KV blocks are free, who shares them, and what they hold.
+"""The block pool (vLLM v1's BlockPool, vllm/v1/core/block_pool.py): which physical KV blocks are free,
+who shares them, and what they hold.
 
 Pure bookkeeping, no tensors. The pool (radarlab.kvcache.paged_cache) owns K/V shaped
 [num_blocks, block_size, num_kv_heads, head_dim] per layer; this module only hands out block ids.
@@ -92,8 +93,11 @@ class PrefixCacheStats:
         return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
 
 
-class BlockAllocator:
-    """Free list, reference counts and the prefix cache over block ids 0 .. num_blocks-1."""
+class BlockPool:
+    """Free list, reference counts and the prefix cache over block ids 0 .. num_blocks-1. vLLM's
+    BlockPool has the same parts under other method names (get_new_blocks for allocate_many,
+    free_blocks for free, touch for incref, cache_full_blocks for cache_full_block); these are the
+    names notebook 03 builds."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         require_int("num_blocks", num_blocks)
@@ -244,5 +248,5 @@ class BlockAllocator:
             raise ValueError(f"block id {block_id!r} is outside the pool (valid ids: 0..{self.num_blocks - 1})")
 
     def __repr__(self) -> str:
-        return (f"BlockAllocator(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+        return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"free={self.num_free_blocks}, cached={self.num_cached_blocks})")

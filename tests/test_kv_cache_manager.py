@@ -10,14 +10,14 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radarlab.kvcache.block_table import AllocStatus, BlockSpaceManager
-from radarlab.kvcache.blocks import NoFreeBlocks, hash_block_chain, hash_block_tokens
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
+from radarlab.kvcache.block_pool import NoFreeBlocks, hash_block_chain, hash_block_tokens
 from radarlab.kvcache.sequence import Sequence
 
 
-def snapshot(m: BlockSpaceManager):
+def snapshot(m: KVCacheManager):
     """Everything a failed call must leave as it was."""
-    a = m.allocator
+    a = m.block_pool
     tables = {s: (list(t.block_ids), t.num_slots, t.num_cached_blocks) for s, t in m.block_tables.items()}
     return (tables, list(a.ref_counts), list(a.block_hashes), list(a.free_block_ids), list(a.evictable),
             dict(a.cached_block_ids), vars(a.prefix_cache_stats).copy())
@@ -32,7 +32,7 @@ def alloc(m, seq_id, tokens, num_new_tokens=None):
 def grow(m, seq, new):
     """A decode step: the tokens join the sequence, then get slots. Returns copy-on-write pairs."""
     seq.append_token_ids(new)
-    return m.append_slots(seq, len(new))
+    return m.allocate_slots(seq, len(new))
 
 
 # --- the token store ----------------------------------------------------------------------------
@@ -70,7 +70,7 @@ def test_sequence_bad_input():
 
 # --- slot mapping -----------------------------------------------------------------------------
 def test_slot_mapping_lengths_1_bs_minus_1_bs_plus_1():
-    m = BlockSpaceManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    m = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
     other, _ = alloc(m, "other", [0, 0, 0, 0])  # block 0, so the tables below do not start at 0
     len1, hit1 = alloc(m, "len1", [7])
     len3, hit3 = alloc(m, "len3", [7, 8, 9])
@@ -91,7 +91,7 @@ def test_slot_mapping_lengths_1_bs_minus_1_bs_plus_1():
 
 
 def test_batched_tensors():
-    m = BlockSpaceManager(8, 4, enable_prefix_caching=False)
+    m = KVCacheManager(8, 4, enable_prefix_caching=False)
     a, _ = alloc(m, "a", [1])
     b, _ = alloc(m, "b", list(range(6)))
     bt = m.block_table_tensor([a, b])
@@ -108,33 +108,33 @@ def test_batched_tensors():
 
 # --- chunked allocation (vLLM v1) -------------------------------------------------------------
 def test_allocate_reserves_the_first_chunk_but_needs_room_for_all():
-    m = BlockSpaceManager(6, 4)
+    m = KVCacheManager(6, 4)
     a, hit = alloc(m, "a", list(range(18)), num_new_tokens=5)  # 5 blocks needed in all, 2 taken now
     assert hit == 0 and m.num_slots(a) == 5 and len(m.get_block_table(a)) == 2 and m.num_free_blocks == 4
-    assert m.allocator.num_cached_blocks == 1  # only block 0 is full of scheduled tokens
-    assert m.append_slots(a, 7) == [] and m.num_slots(a) == 12 and len(m.get_block_table(a)) == 3
+    assert m.block_pool.num_cached_blocks == 1  # only block 0 is full of scheduled tokens
+    assert m.allocate_slots(a, 7) == [] and m.num_slots(a) == 12 and len(m.get_block_table(a)) == 3
     with pytest.raises(ValueError, match="no tokens for 7 more slots"):
-        m.append_slots(a, 7)  # 6 tokens are left without slots
+        m.allocate_slots(a, 7)  # 6 tokens are left without slots
     b = Sequence("b", list(range(100, 113)))  # 4 blocks; 3 are free, though its first chunk needs 1
     assert m.can_allocate(b) is AllocStatus.LATER
     with pytest.raises(NoFreeBlocks):
         m.allocate(b, 1)
     with pytest.raises(ValueError, match="num_new_tokens must be an int <= 18, got 19"):
-        BlockSpaceManager(6, 4).allocate(Sequence("c", list(range(50, 68))), 19)
+        KVCacheManager(6, 4).allocate(Sequence("c", list(range(50, 68))), 19)
 
 
 # --- prefix caching ---------------------------------------------------------------------------
 def test_prefix_hits_reuse_full_blocks_and_recompute_last_token():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     a, hit = alloc(m, "a", list(range(10)))
     assert hit == 0 and m.get_block_table(a) == [0, 1, 2]  # blocks 0, 1 full (cached), block 2 partial
     b, hit = alloc(m, "b", list(range(8)) + [50, 51])
     assert hit == 8 and m.get_block_table(b) == [0, 1, 3]
-    assert [m.allocator.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
+    assert [m.block_pool.ref_count(b) for b in range(4)] == [2, 2, 1, 1]
     # Fully cached and block aligned: the last block is recomputed so the last token yields logits.
     c, hit = alloc(m, "c", list(range(8)))
     assert hit == 4 and m.get_block_table(c) == [0, 4]
-    assert m.allocator.block_hashes[4] is None  # same content as block 1, which stays the cached one
+    assert m.block_pool.block_hashes[4] is None  # same content as block 1, which stays the cached one
     d, hit = alloc(m, "d", list(range(9)))
     assert hit == 8
     s = m.prefix_cache_stats
@@ -143,75 +143,75 @@ def test_prefix_hits_reuse_full_blocks_and_recompute_last_token():
     assert s.hit_rate == pytest.approx(20 / 37)
     for seq in (a, b, c, d):
         m.free(seq)
-    assert m.num_free_blocks == 8 and m.allocator.num_cached_blocks == 2
+    assert m.num_free_blocks == 8 and m.block_pool.num_cached_blocks == 2
     e, hit = alloc(m, "e", list(range(8)) + [99])
     assert hit == 8 and m.get_block_table(e)[:2] == [0, 1]  # hits survive their owners, from the evictable set
 
 
 def test_decode_tokens_fill_and_register_blocks():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     a, _ = alloc(m, "a", [1, 2, 3])
     grow(m, a, [4])  # block 0 is now full: registered under the hash the sequence computed
     h = hash_block_tokens(None, [1, 2, 3, 4])
-    assert m.allocator.get_cached_block(h) == 0 and a.block_hashes == (h,)
+    assert m.block_pool.get_cached_block(h) == 0 and a.block_hashes == (h,)
     assert alloc(m, "b", [1, 2, 3, 4, 5])[1] == 4
 
 
 def test_a_block_is_cached_only_once_its_tokens_have_slots():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     a, _ = alloc(m, "a", list(range(8)), num_new_tokens=3)
-    assert len(a.block_hashes) == 2 and m.allocator.num_cached_blocks == 0  # hashed, not yet cached
-    m.append_slots(a, 1)
-    assert m.allocator.num_cached_blocks == 1
+    assert len(a.block_hashes) == 2 and m.block_pool.num_cached_blocks == 0  # hashed, not yet cached
+    m.allocate_slots(a, 1)
+    assert m.block_pool.num_cached_blocks == 1
 
 
 def test_lru_eviction_order_through_manager():
-    m = BlockSpaceManager(4, 2)
+    m = KVCacheManager(4, 2)
     a, _ = alloc(m, "a", [1, 2, 3])  # blocks 0 (cached: [1, 2]) and 1
     b, _ = alloc(m, "b", [4, 5, 6])  # blocks 2 (cached: [4, 5]) and 3
     m.free(a)
     m.free(b)  # evictable, least recently freed first: 0, then 2
-    assert list(m.allocator.evictable) == [0, 2] and list(m.allocator.free_block_ids) == [1, 3]
+    assert list(m.block_pool.evictable) == [0, 2] and list(m.block_pool.free_block_ids) == [1, 3]
     c, _ = alloc(m, "c", [7, 8, 9, 10, 11])  # needs 3: the two never-cached blocks, then evicts block 0
     assert m.get_block_table(c) == [1, 3, 0]
-    assert m.allocator.get_cached_block(hash_block_tokens(None, [1, 2])) is None
-    assert m.allocator.get_cached_block(hash_block_tokens(None, [4, 5])) == 2
+    assert m.block_pool.get_cached_block(hash_block_tokens(None, [1, 2])) is None
+    assert m.block_pool.get_cached_block(hash_block_tokens(None, [4, 5])) == 2
     m.free(c)
     assert alloc(m, "d", [4, 5, 0])[1] == 2
 
 
 def test_free_releases_tail_first_so_prefix_is_evicted_last():
-    m = BlockSpaceManager(4, 2)
+    m = KVCacheManager(4, 2)
     a, _ = alloc(m, "a", [1, 2, 3, 4, 5])  # blocks 0 and 1 cached, block 2 partial
     m.free(a)
-    assert list(m.allocator.evictable) == [1, 0]
+    assert list(m.block_pool.evictable) == [1, 0]
 
 
 def test_prefix_caching_disabled():
-    m = BlockSpaceManager(8, 4, enable_prefix_caching=False)
+    m = KVCacheManager(8, 4, enable_prefix_caching=False)
     alloc(m, "a", list(range(9)))
     assert alloc(m, "b", list(range(9)))[1] == 0
-    assert m.allocator.num_cached_blocks == 0
+    assert m.block_pool.num_cached_blocks == 0
     assert m.prefix_cache_stats.hit_rate == 0.0
 
 
 # --- copy-on-write fork -----------------------------------------------------------------------
 def test_fork_shares_and_copy_on_write():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     p, _ = alloc(m, "p", list(range(6)))  # [0 full, 1 holding 2 tokens]
     free_before = m.num_free_blocks
     c = Sequence("c", list(range(6)))
     m.fork(p, c)
     assert m.get_block_table(c) == [0, 1] and m.num_free_blocks == free_before
-    assert m.allocator.ref_count(0) == m.allocator.ref_count(1) == 2
+    assert m.block_pool.ref_count(0) == m.block_pool.ref_count(1) == 2
     assert grow(m, p, [6]) == [(1, 2)]  # p writes into shared block 1: private copy 2
     assert m.get_block_table(p) == [0, 2] and m.slot_mapping(p, 6, 1) == [10]
-    assert (m.allocator.ref_count(1), m.allocator.ref_count(2)) == (1, 1)
+    assert (m.block_pool.ref_count(1), m.block_pool.ref_count(2)) == (1, 1)
     assert grow(m, c, [7]) == []  # c is now block 1's only holder
     assert m.get_block_table(c) == [0, 1] and m.slot_mapping(c, 6, 1) == [6]
-    assert m.allocator.ref_count(0) == 2  # the full prompt block stays shared, read-only
+    assert m.block_pool.ref_count(0) == 2  # the full prompt block stays shared, read-only
     m.free(p)
-    assert m.allocator.ref_count(0) == 1 and m.allocator.ref_count(2) == 0
+    assert m.block_pool.ref_count(0) == 1 and m.block_pool.ref_count(2) == 0
     with pytest.raises(ValueError, match="already has a block table"):
         m.fork(c, c)
     with pytest.raises(ValueError, match="does not start with the 7 tokens"):
@@ -219,7 +219,7 @@ def test_fork_shares_and_copy_on_write():
 
 
 def test_fork_on_block_boundary_needs_no_copy():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     p, _ = alloc(m, "p", list(range(8)))
     c = Sequence("c", list(range(8)))
     m.fork(p, c)
@@ -237,7 +237,7 @@ def drop(m, seq, n):
 
 
 def test_rollback_frees_empty_blocks():
-    m = BlockSpaceManager(8, 4, enable_prefix_caching=False)
+    m = KVCacheManager(8, 4, enable_prefix_caching=False)
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7, 8])  # 9 tokens in blocks 0, 1, 2
     drop(m, a, 3)
@@ -252,33 +252,33 @@ def test_rollback_frees_empty_blocks():
 
 
 def test_rollback_into_cached_block_uncaches_it_before_writing():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7])  # both blocks full and cached
     h1 = a.block_hashes[1]
     drop(m, a, 2)
     assert len(a.block_hashes) == 1
-    assert m.allocator.get_cached_block(h1) == 1  # content intact until a write
+    assert m.block_pool.get_cached_block(h1) == 1  # content intact until a write
     grow(m, a, [60])
-    assert m.allocator.get_cached_block(h1) is None and m.allocator.block_hashes[1] is None
+    assert m.block_pool.get_cached_block(h1) is None and m.block_pool.block_hashes[1] is None
     grow(m, a, [70])  # full again, new content, registered under its new hash
-    assert m.allocator.get_cached_block(hash_block_chain([0, 1, 2, 3, 4, 5, 60, 70], 4)[1]) == 1
+    assert m.block_pool.get_cached_block(hash_block_chain([0, 1, 2, 3, 4, 5, 60, 70], 4)[1]) == 1
 
 
 def test_rollback_into_block_someone_hit_copies_on_write():
-    m = BlockSpaceManager(8, 4)
+    m = KVCacheManager(8, 4)
     a, _ = alloc(m, "a", list(range(6)))
     grow(m, a, [6, 7])
     drop(m, a, 2)
     b, hit = alloc(m, "b", list(range(8)) + [99])
     assert hit == 8  # block 1 still holds 0..7's KV: a valid hit
     assert grow(m, a, [60]) == [(1, m.get_block_table(a)[1])]
-    assert m.get_block_table(a)[1] != 1 and m.allocator.ref_count(1) == 1
+    assert m.get_block_table(a)[1] != 1 and m.block_pool.ref_count(1) == 1
 
 
 # --- running out, bad input -------------------------------------------------------------------
 def test_out_of_blocks_raises_and_changes_nothing():
-    m = BlockSpaceManager(2, 4)
+    m = KVCacheManager(2, 4)
     a, _ = alloc(m, "a", list(range(8)))
     before = snapshot(m)
     b = Sequence("b", [1])
@@ -286,9 +286,9 @@ def test_out_of_blocks_raises_and_changes_nothing():
     with pytest.raises(NoFreeBlocks):
         m.allocate(b)
     a.append_token_ids([8])
-    assert not m.can_append_slots(a)
+    assert not m.can_allocate_slots(a)
     with pytest.raises(NoFreeBlocks):
-        m.append_slots(a)
+        m.allocate_slots(a)
     assert snapshot(m) == before and "b" not in m
     big = Sequence("big", list(range(9)))
     assert m.can_allocate(big) is AllocStatus.NEVER
@@ -298,21 +298,21 @@ def test_out_of_blocks_raises_and_changes_nothing():
 
 
 def test_copy_on_write_without_free_block_raises_and_changes_nothing():
-    m = BlockSpaceManager(2, 4)
+    m = KVCacheManager(2, 4)
     a, _ = alloc(m, "a", list(range(6)))
     b = Sequence("b", list(range(6)))
     m.fork(a, b)
     before = snapshot(m)
     a.append_token_ids([6])
     with pytest.raises(NoFreeBlocks, match="needs 1 free blocks for 1 new tokens"):
-        m.append_slots(a)
+        m.allocate_slots(a)
     assert snapshot(m) == before
     m.free(b)
-    assert m.append_slots(a) == []
+    assert m.allocate_slots(a) == []
 
 
 def test_cache_hits_revived_from_evictable_count_against_free_blocks():
-    m = BlockSpaceManager(3, 2)
+    m = KVCacheManager(3, 2)
     a, _ = alloc(m, "a", [1, 2, 3])  # block 0 cached, block 1
     m.free(a)  # free: 2, 1; evictable: 0
     alloc(m, "c", [7])  # takes block 2
@@ -327,23 +327,23 @@ def test_cache_hits_revived_from_evictable_count_against_free_blocks():
 
 
 def test_bad_input():
-    m = BlockSpaceManager(4, 4)
+    m = KVCacheManager(4, 4)
     with pytest.raises(ValueError, match="block_size"):
-        BlockSpaceManager(4, 3)
+        KVCacheManager(4, 3)
     a, _ = alloc(m, "a", [3, 4])
     with pytest.raises(ValueError, match="already has a block table"):
         m.allocate(Sequence("a", [1]))
     with pytest.raises(ValueError, match="num_new_tokens must be a non-negative int"):
-        m.append_slots(a, -1)
+        m.allocate_slots(a, -1)
     with pytest.raises(ValueError, match="num_new_tokens must be an int"):
-        m.append_slots(a, True)
+        m.allocate_slots(a, True)
     with pytest.raises(ValueError, match="blocks of 4, not 2"):
-        BlockSpaceManager(4, 2).allocate(a)  # a sequence is hashed for one block size
+        KVCacheManager(4, 2).allocate(a)  # a sequence is hashed for one block size
     m.free(a)
     with pytest.raises(KeyError, match="already freed"):
         m.free(a)
     with pytest.raises(KeyError, match="'zz' has no block table"):
-        m.append_slots(Sequence("zz", [1]), 1)
+        m.allocate_slots(Sequence("zz", [1]), 1)
     assert m.num_free_blocks == 4
 
 
@@ -369,7 +369,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(3, 16), block_size=st.sampled_from([1, 2, 4, 4]), caching=st.booleans())
     def setup(self, num_blocks, block_size, caching):
-        self.m = BlockSpaceManager(num_blocks, block_size, enable_prefix_caching=caching)
+        self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.bs = block_size
         self.pool: dict[int, tuple[int, ...]] = {}
         self.seqs: dict[int, Sequence] = {}
@@ -412,12 +412,12 @@ class PagedCacheMachine(RuleBasedStateMachine):
         self.write(seq, computed, self.m.num_slots(seq) - computed)
 
     def reserve_and_write(self, seq, n) -> bool:
-        """append_slots for the sequence's next n tokens, then do what the pool would: the
+        """allocate_slots for the sequence's next n tokens, then do what the pool would: the
         copy-on-write copies, then the writes."""
-        can, before = self.m.can_append_slots(seq, n), snapshot(self.m)
+        can, before = self.m.can_allocate_slots(seq, n), snapshot(self.m)
         start = self.m.num_slots(seq)
         try:
-            copies = self.m.append_slots(seq, n)
+            copies = self.m.allocate_slots(seq, n)
         except NoFreeBlocks:
             assert not can and snapshot(self.m) == before
             return False
@@ -431,7 +431,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
     def prefill_chunk(self, i, chunk):
         seq = self.pick(i)
         left = seq.num_tokens - self.m.num_slots(seq)
-        if left:
+        if left > 0:  # none where a rejected draft left slots past the tokens
             self.reserve_and_write(seq, min(chunk, left))
 
     def decode(self, seq, new) -> bool:
@@ -490,9 +490,9 @@ class PagedCacheMachine(RuleBasedStateMachine):
         start = self.m.num_slots(seq)
         if start != seq.num_tokens:
             return
-        can, before = self.m.can_append_slots(seq, len(drafts)), snapshot(self.m)
+        can, before = self.m.can_allocate_slots(seq, len(drafts)), snapshot(self.m)
         try:
-            copies = self.m.append_slots(seq, len(drafts), num_lookahead_tokens=len(drafts))
+            copies = self.m.allocate_slots(seq, len(drafts), num_lookahead_tokens=len(drafts))
         except NoFreeBlocks:
             assert not can and snapshot(self.m) == before
             return
@@ -506,7 +506,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         where = seq.num_tokens - 1  # the target's token: in a reserved slot, or in a new one
         extra = max(0, where + 1 - self.m.num_slots(seq))
         try:
-            self.copy(self.m.append_slots(seq, extra))
+            self.copy(self.m.allocate_slots(seq, extra))
         except NoFreeBlocks:
             seq.truncate(seq.num_tokens - 1)  # no room for it: the scheduler would wait or preempt
             return
@@ -524,7 +524,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         if seq.num_tokens == computed:
             seq.append_token_ids(new)
         try:
-            self.m.append_slots(seq, seq.num_tokens - computed)  # reserved, never written
+            self.m.allocate_slots(seq, seq.num_tokens - computed)  # reserved, never written
         except NoFreeBlocks:
             pass
         self.m.free(seq, computed)
@@ -539,7 +539,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def no_leaks(self):
-        a = self.m.allocator
+        a = self.m.block_pool
         used = {b for b in range(a.num_blocks) if a.ref_counts[b] > 0}
         free, evictable = set(a.free_block_ids), set(a.evictable)
         assert len(free) == len(a.free_block_ids) and not free & evictable and not (free | evictable) & used
@@ -548,7 +548,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_equal_holders(self):
-        a = self.m.allocator
+        a = self.m.block_pool
         holders = Counter()
         for table in self.m.block_tables.values():
             assert len(set(table.block_ids)) == len(table.block_ids)
@@ -569,16 +569,16 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 owners[slot].append(seq.seq_id)
         # A slot owned by two live sequences lives in a shared block (ref > 1) that holds the same KV
         # for both, checked above: it is shared read-only. The next slot each sequence will write is in
-        # a block it alone holds, or append_slots copies the block first (checked by the writes).
+        # a block it alone holds, or allocate_slots copies the block first (checked by the writes).
         for slot, seqs in owners.items():
             if len(seqs) > 1:
-                assert self.m.allocator.ref_counts[slot // self.bs] >= len(seqs)
+                assert self.m.block_pool.ref_counts[slot // self.bs] >= len(seqs)
 
     @invariant()
     def cached_hashes_are_the_owners_hashes(self):
         """The one token store: each sequence's hashes are those of its tokens, and every cached full
         block of a live sequence is cached under exactly the hash recomputed from the owner's tokens."""
-        a = self.m.allocator
+        a = self.m.block_pool
         for seq in self.seqs.values():
             tokens = list(seq.all_token_ids)
             if not a.enable_prefix_caching:  # nothing is hashed or cached (as in vLLM)
@@ -593,7 +593,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def cached_blocks_hold_what_their_hash_names(self):
-        a = self.m.allocator
+        a = self.m.block_pool
         for block_hash, b in a.cached_block_ids.items():
             assert a.block_hashes[b] == block_hash
             prefix = self.pool[b * self.bs + self.bs - 1]  # the block's last slot names the whole prefix
