@@ -292,3 +292,26 @@ def test_rooms_import_only_rooms_below_them():
     bad = [f"{a} -> {b}: {', '.join(where[:3])}" for (a, b), where in sorted(_room_edges().items())
            if a in order and b in order and order[b] > order[a]]
     assert not bad, "rooms importing a room above them (the order of CORE + INSTRUMENTS):\n" + "\n".join(bad)
+
+
+def test_readme_reading_order_lists_the_core_with_its_line_counts():
+    """README's "The core, file by file": every core module once, in rooms' order, its line count
+    within 20% (or 10 lines) of the file, so the reading order cannot quietly go stale."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = re.search(r"### The core, file by file\n(.*?)\n\n(?=\S)(?!\d+\.)", text + "\n\nEND", re.S)
+    assert section, "README.md has no '### The core, file by file' section"
+    listed = re.findall(r"`([\w/]+\.py)` \((\d+)\)", section.group(1))
+    assert len(listed) > 40, "the walk sees the list"
+    names = [name for name, _ in listed]
+    core = sorted(str(p.relative_to(PACKAGE)) for p in _modules()
+                  if _room(_dotted(p)) in CORE and (p.name != "__init__.py" or p.parent.name == "backends"))
+    assert sorted(names) == core, (f"core modules missing from README's reading order: {sorted(set(core) - set(names))}; "
+                                   f"listed but not core modules: {sorted(set(names) - set(core))}")
+    rooms = [CORE.index(_room("radarlab." + name.split("/")[0].removesuffix(".py"))) for name in names]
+    assert rooms == sorted(rooms), "README's reading order follows CORE's order of rooms"
+    stale = []
+    for name, count in listed:
+        actual = len((PACKAGE / name).read_text(encoding="utf-8").splitlines())
+        if abs(actual - int(count)) > max(10, 0.2 * actual):
+            stale.append(f"{name}: README says {count}, the file has {actual}")
+    assert not stale, "README's line counts are stale:\n" + "\n".join(stale)
