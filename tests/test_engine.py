@@ -188,6 +188,12 @@ def test_abort_stops_every_sample(tiny):
     assert not engine.has_unfinished_requests() and engine.manager.num_free_blocks == 32
 
 
+def test_a_pool_that_cannot_hold_max_model_len_is_refused(tiny):
+    with pytest.raises(ValueError, match=r"max_model_len=25 does not fit the KV cache: its 6 blocks of 4 hold 24 tokens"):
+        Engine(tiny, num_blocks=6, block_size=4, max_model_len=25)
+    assert Engine(tiny, num_blocks=6, block_size=4, max_model_len=24).max_model_len == 24
+
+
 def test_oversize_prompts_fail_alone(tiny, workload):
     prompts, ref = workload
     engine = Engine(tiny, num_blocks=16, block_size=4, max_model_len=48)
@@ -197,9 +203,10 @@ def test_oversize_prompts_fail_alone(tiny, workload):
     assert [outs[0].output_token_ids, outs[2].output_token_ids] == [ref[0], ref[1]]
     short = random_prompts(2, lo=3, hi=8, seed=9)
     short_ref = greedy_generate(tiny, short, 10)
-    small = Engine(tiny, num_blocks=6, block_size=4)  # 24 slots: a 25-token prompt can never fit
+    small = Engine(tiny, num_blocks=6, block_size=4)  # 24 slots: max_model_len 24, a 25-token prompt never fits
+    assert small.max_model_len == 24
     outs = small.generate([short[0], list(range(25)), short[1]], SamplingParams(max_tokens=10))
-    assert outs[1].status is RequestStatus.FINISHED_ERROR and "whole pool" in outs[1].error
+    assert outs[1].status is RequestStatus.FINISHED_ERROR and "max_model_len=24" in outs[1].error
     assert [outs[0].output_token_ids, outs[2].output_token_ids] == short_ref
     assert small.manager.num_free_blocks == 6
 
@@ -224,7 +231,7 @@ def test_abort_frees_blocks_and_others_continue(tiny, workload):
 def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
     rng = random.Random(0)
     engine = Engine(tiny, num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=48,
-                    max_model_len=128)
+                    max_model_len=96)  # all the pool holds: an Engine refuses more
     live, finished, aborted, to_add = set(), set(), set(), 500
     steps = errors = 0
     while to_add or engine.has_unfinished_requests():

@@ -62,19 +62,29 @@ class Engine:
                  speculative_config: dict | None = None, cpu_ops: bool | None = None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
+        max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
+        what the pool holds (vLLM refuses a default that does not fit; the course's small pools would
+        all be refused).
         speculative_config takes vLLM's keys (radarlab.spec_decode.speculative_config). cpu_ops: whether the
         KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
         they can be built; the model's own are Llama.use_cpu_ops)."""
         cfg = model.config
-        if max_model_len is None:
-            max_model_len = cfg.max_position_embeddings
-        require_int("max_model_len (at most the model's context)", max_model_len, 1, cfg.max_position_embeddings)
+        if max_model_len is not None:
+            require_int("max_model_len (at most the model's context)", max_model_len, 1, cfg.max_position_embeddings)
         param = next(model.parameters())
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give num_blocks or kv_cache_bytes (a byte budget for the pool), not both")
         if num_blocks is None:
             num_blocks = num_blocks_for_budget(kv_cache_bytes, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
                                                block_size, kv_cache_dtype, param.dtype, max_num_seqs)
+        require_int("num_blocks", num_blocks)
+        pool_tokens = num_blocks * block_size
+        if max_model_len is None:  # the model's context, as far as the pool holds it
+            max_model_len = min(cfg.max_position_embeddings, pool_tokens)
+        elif max_model_len > pool_tokens:  # vLLM refuses this at startup too: a long request could never run
+            raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache: its {num_blocks} blocks of "
+                             f"{block_size} hold {pool_tokens} tokens; give more blocks (or kv_cache_bytes) or a "
+                             f"smaller max_model_len")
         self.model = model
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
