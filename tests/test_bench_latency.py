@@ -17,11 +17,21 @@ import torch
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.latency import (
-    LatencyBenchConfig, RequestTrace, StepTiming, format_table, littles_law, max_count, percentiles,
-    poisson_arrivals, run_budget_sweep, serve, summarize, time_weighted_count,
+    LatencyBenchConfig,
+    RequestTrace,
+    StepTiming,
+    format_table,
+    littles_law,
+    max_count,
+    percentiles,
+    poisson_arrivals,
+    run_budget_sweep,
+    serve,
+    summarize,
+    time_weighted_count,
 )
-from radarlab.lab.workload import random_token_prompts
 from radarlab.engine import Engine, SamplingParams
+from radarlab.lab.workload import random_token_prompts
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig
 

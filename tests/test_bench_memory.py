@@ -10,7 +10,15 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate, thrash_sweep,
+    RESERVATIONS,
+    MemoryBenchConfig,
+    chunked_prompt_blocks,
+    contiguous,
+    paged,
+    report,
+    run,
+    simulate,
+    thrash_sweep,
 )
 from radarlab.lab.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 

@@ -7,11 +7,25 @@ import json
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
-from radarlab.bench.speculation import (SpecBenchConfig, fastest, format_table, goal, result_row, speedups,
-                                       workload_prompts)
+from radarlab.bench.speculation import (
+    SpecBenchConfig,
+    fastest,
+    format_table,
+    goal,
+    result_row,
+    speedups,
+    workload_prompts,
+)
 from radarlab.lab.workload import copy_prompts, free_prompts, source_functions
-from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
-                                         VLLM_NUM_DRAFTS, SpecRun, counters_agree, spec_counters)
+from radarlab.validate.vllm_spec import (
+    VLLM_ACCEPTED_PER_POS,
+    VLLM_NUM_ACCEPTED,
+    VLLM_NUM_DRAFT_TOKENS,
+    VLLM_NUM_DRAFTS,
+    SpecRun,
+    counters_agree,
+    spec_counters,
+)
 
 
 def test_copy_and_free_prompts_are_seeded_prefixes():

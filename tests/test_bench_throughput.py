@@ -9,7 +9,14 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
-    Measurement, dtype_notes, results_path, ThroughputConfig, format_table, goal, ratios, report,
+    Measurement,
+    ThroughputConfig,
+    dtype_notes,
+    format_table,
+    goal,
+    ratios,
+    report,
+    results_path,
 )
 from radarlab.lab.workload import random_token_prompts
 

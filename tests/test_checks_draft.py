@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import pytest
 
-from radarlab.checks import (check_acceptance_counts, check_first_costly_batch, reference_acceptance_counts,
-                             reference_first_costly_batch)
+from radarlab.checks import (
+    check_acceptance_counts,
+    check_first_costly_batch,
+    reference_acceptance_counts,
+    reference_first_costly_batch,
+)
 from radarlab.lab.roofline import decode_step
 
 

@@ -4,8 +4,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.checks import (check_int4_bytes_per_token, check_pack_nibbles, check_quantize_group,
-                             reference_int4_bytes_per_token, reference_quantize_group)
+from radarlab.checks import (
+    check_int4_bytes_per_token,
+    check_pack_nibbles,
+    check_quantize_group,
+    reference_int4_bytes_per_token,
+    reference_quantize_group,
+)
 
 
 def _stub(*args):

@@ -5,7 +5,6 @@ import pytest
 
 from radarlab.checks import check_append_to_contiguous_cache, check_reservation_utilisation
 
-
 # --- append_to_contiguous_cache ------------------------------------------------------------------
 
 def append_reference(k_cache, v_cache, row, seq_len, k, v):

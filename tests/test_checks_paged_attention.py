@@ -166,7 +166,7 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 def _stub_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                  stride_kt, stride_kh, stride_cb, stride_cs, stride_ch, num_kv_heads, head_dim,
                  BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
-    token = tl.program_id(0)
+    tl.program_id(0)
     raise NotImplementedError()
 
 

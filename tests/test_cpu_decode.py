@@ -20,6 +20,7 @@ from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.cpu_ops import load_cpu_ops
 from radarlab.device import cpu_arch, cpu_flags
+
 from cpu_ops_build import built_or_fail, needs_compiler
 from test_paged_attention import TOL, make_case, max_error
 

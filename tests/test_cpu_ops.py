@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import radarlab.cpu_ops as cpu_ops_module
 from radarlab.cpu_ops import CpuOpsUnavailable, find_compiler, load_cpu_ops
 from radarlab.models.llama import RMSNorm, apply_rope
+
 from cpu_ops_build import built_or_fail, needs_compiler
 
 pytestmark = needs_compiler

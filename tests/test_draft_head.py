@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
-from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.models.generate import greedy_generate
+from radarlab.spec_decode.draft_head import TRAINED_HEAD, DraftHead, draft_config, load_head, save_head
 from radarlab.train.draft_data import causal_batch, target_features_batch
 from radarlab.train.draft_eval import HeadDrafter, ngram_lookup, speculative_generate
-from radarlab.spec_decode.draft_head import TRAINED_HEAD, DraftHead, draft_config, load_head, save_head
 from radarlab.train.token_table import TokenTable
 from radarlab.train.train_draft import draft_vocabulary, train, unroll_mask, unrolled_forward
 

@@ -6,7 +6,6 @@ copy test goes through `make exercises`, which runs the generator in its own ven
 from __future__ import annotations
 
 import ast
-
 import importlib.util
 import json
 import re

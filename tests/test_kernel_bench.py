@@ -11,11 +11,18 @@ import math
 import pytest
 import torch
 
-from radarlab.lab.kernel_bench import (
-    DecodeBandwidth, KernelCheck, check_kernels, decode_bytes, decode_flops, main, measure_decode_bandwidth,
-    random_paged_batch, tolerance,
-)
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.lab.kernel_bench import (
+    DecodeBandwidth,
+    KernelCheck,
+    check_kernels,
+    decode_bytes,
+    decode_flops,
+    main,
+    measure_decode_bandwidth,
+    random_paged_batch,
+    tolerance,
+)
 from radarlab.util import cdiv
 
 

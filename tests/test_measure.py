@@ -6,7 +6,13 @@ import torch
 
 from radarlab.lab import measure
 from radarlab.lab.measure import (
-    MachineBalance, cpu_threads, measure_decode, measure_machine, peak_bandwidth_gbps, read_bandwidth_gbps, time_ms,
+    MachineBalance,
+    cpu_threads,
+    measure_decode,
+    measure_machine,
+    peak_bandwidth_gbps,
+    read_bandwidth_gbps,
+    time_ms,
 )
 
 

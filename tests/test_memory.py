@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from radarlab.kvcache import memory
 from radarlab.kvcache.memory import (
@@ -147,8 +146,9 @@ def test_shape_from_hf_config_reads_the_fields():
 
 
 def test_shape_from_course_model_config():
-    from radarlab.models.loader import course_model_dir
     from transformers import AutoConfig
+
+    from radarlab.models.loader import course_model_dir
 
     try:
         path = course_model_dir(convert=False)

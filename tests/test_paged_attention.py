@@ -14,16 +14,22 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from radarlab.util import cdiv
+from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.attention.torch_paged import (
-    combine_partitions_torch, paged_attention_torch, paged_decode_torch, split_kv_decode_torch,
+    combine_partitions_torch,
+    paged_attention_torch,
+    paged_decode_torch,
+    split_kv_decode_torch,
     split_kv_partials_torch,
 )
-from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.attention.triton_paged import (
-    triton_paged_attention, triton_paged_decode, triton_paged_decode_split, triton_paged_prefill,
+    triton_paged_attention,
+    triton_paged_decode,
+    triton_paged_decode_split,
+    triton_paged_prefill,
 )
 from radarlab.device import default_device
+from radarlab.util import cdiv
 
 TOL = 1e-5  # fp32
 

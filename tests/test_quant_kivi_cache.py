@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.quant import kivi
 from radarlab.util import cdiv
+
+from cache_steps import seeded, step_metadata
 
 H, D, BLOCK = 2, 16, 8
 
@@ -117,9 +118,9 @@ def test_bad_kivi_settings():
 
 def test_greedy_and_engine_run_kivi():
     from radarlab.engine.llm_engine import Engine
-    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
     from radarlab.models.paged_runner import paged_greedy_generate
+    from radarlab.sample.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -137,8 +138,8 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
     """The whole engine (prefills, decodes, three requests in a batch) with KIVI read by the Triton
     kernels: the same tokens as the torch path."""
     from radarlab.engine.llm_engine import Engine
-    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
+    from radarlab.sample.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

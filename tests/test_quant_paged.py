@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
-from radarlab.attention.reference import attention_reference
-from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
 from radarlab.attention.kv_write import reshape_and_cache
+from radarlab.attention.reference import attention_reference
+from radarlab.attention.torch_paged import paged_decode_torch
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.quant import fp8
 from radarlab.quant.formats import kv_format
 from radarlab.quant.kv_codec import QuantizedPool, decode_kv, encode_kv
 from radarlab.quant.rotation import rotate, rotation_matrix
+
+from cache_steps import step_metadata
 
 FORMATS = ["fp8", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_per_token_head", "int4_g32_sym", "int4_g64",
            "int4_g16_asym_fp8scales", "int4_g64_sym_hadamard", "fp8_orthogonal"]

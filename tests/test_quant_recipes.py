@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.kivi_store import default_tail_groups, tail_bytes
@@ -14,6 +13,8 @@ from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES
 from radarlab.quant import fp8, int4, kivi
 from radarlab.quant.formats import kv_format
+
+from cache_steps import seeded, step_metadata
 
 H, HQ, D, BLOCK = 2, 4, 16, 8
 SCALE = D ** -0.5

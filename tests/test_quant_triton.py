@@ -6,14 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
+from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.attention.triton_quant import triton_quant_paged_attention, triton_quant_reshape_and_cache
 from radarlab.device import default_device
-from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.kvcache.paged_cache import PagedKVCache
+
+from cache_steps import seeded, step_metadata
 
 FORMATS = ["fp8", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_per_token_head", "int4_g16_sym", "int4_g8",
            "int4_g16_asym_fp8scales", "int4_g32_sym_fp8scales", "int4_g8_int8zeros", "int4_g16_fp8scales_int8zeros"]

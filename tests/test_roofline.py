@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from radarlab.lab.roofline import (
-    LLAMA_70B, TransformerDims, decode_step, intensity_limit, preemption_cost, prefill_flops, ridge_point,
+    LLAMA_70B,
+    TransformerDims,
+    decode_step,
+    intensity_limit,
+    preemption_cost,
+    prefill_flops,
+    ridge_point,
     swap_recompute_crossover,
 )
 

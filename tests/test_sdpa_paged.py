@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.attention.torch_paged import paged_attention_torch
+
 from test_paged_attention import DECODE_LENS, PREFILL, TOL, make_case, max_error
 
 HEADS = [(4, 2, 16), (9, 3, 64), (2, 2, 8)]  # toy GQA, the course model's, no GQA

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from radarlab.engine import Engine, RequestStatus, SamplingParams
 from radarlab.lab.timeline import DECODE, PREFILL, VERIFY, output_token_ids, run_recorded

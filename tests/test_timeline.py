@@ -10,8 +10,21 @@ matplotlib.use("Agg")
 
 from radarlab.engine import Engine, SamplingParams  # noqa: E402
 from radarlab.lab.timeline import (  # noqa: E402
-    DECODE, DONE, PREFILL, RECOMPUTE, WAITING, latency_metrics, max_running, output_token_ids, record_step,
-    run_recorded, slot_utilisation, state_grid, token_steps, token_times)
+    DECODE,
+    DONE,
+    PREFILL,
+    RECOMPUTE,
+    WAITING,
+    latency_metrics,
+    max_running,
+    output_token_ids,
+    record_step,
+    run_recorded,
+    slot_utilisation,
+    state_grid,
+    token_steps,
+    token_times,
+)
 
 VOCAB = 128  # the vocabulary of conftest's tiny model
 

@@ -10,8 +10,14 @@ import pytest
 
 from radarlab.models.generate import greedy_generate
 from radarlab.validate.compare import max_logprob_diff
-from radarlab.validate.vllm import (LOGPROB_TOL, VLLMError, VLLMUnavailable, compare_with_vllm,
-                                    greedy_request, run_vllm)
+from radarlab.validate.vllm import (
+    LOGPROB_TOL,
+    VLLMError,
+    VLLMUnavailable,
+    compare_with_vllm,
+    greedy_request,
+    run_vllm,
+)
 
 NEW_TOKENS = 64
 TOP_K = 5

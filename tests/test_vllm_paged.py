@@ -19,12 +19,29 @@ from radarlab.device import cpu_flags, cpu_kind
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, isa_missing
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.validate import vllm_worker
-from radarlab.validate.vllm_paged import (
-    BACKENDS, ENGINE_BLOCK_SIZE, FP32_TOL, ISA_BLOCK_SIZE, ISA_MODES, MODES, attention_case, attention_cases,
-    attention_op_request, compare_attention, compare_greedy_outputs, isa_cases, isa_dtypes, op_rows, op_tolerance,
-    our_attention, our_prefix_run, prefix_workload, run_paged_session, vllm_prefix_counts,
-)
 from radarlab.validate.vllm import LOGPROB_TOL, VLLMError, run_vllm, vllm_python
+from radarlab.validate.vllm_paged import (
+    BACKENDS,
+    ENGINE_BLOCK_SIZE,
+    FP32_TOL,
+    ISA_BLOCK_SIZE,
+    ISA_MODES,
+    MODES,
+    attention_case,
+    attention_cases,
+    attention_op_request,
+    compare_attention,
+    compare_greedy_outputs,
+    isa_cases,
+    isa_dtypes,
+    op_rows,
+    op_tolerance,
+    our_attention,
+    our_prefix_run,
+    prefix_workload,
+    run_paged_session,
+    vllm_prefix_counts,
+)
 
 NEW_TOKENS = 32
 PREFIX_NEW_TOKENS = 8

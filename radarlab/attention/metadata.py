@@ -14,8 +14,12 @@ that built it (vLLM gives each backend a metadata class of its own).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # for the annotation only: sdpa_paged is not imported at run time
+    from radarlab.attention.sdpa_paged import PagedSDPAPlan
 
 
 @dataclass(frozen=True)

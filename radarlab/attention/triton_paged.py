@@ -23,7 +23,10 @@ import triton
 import triton.language as tl
 
 from radarlab.attention.layout import (
-    validate_block_tables, validate_partition_size, validate_pool, validate_slot_mapping,
+    validate_block_tables,
+    validate_partition_size,
+    validate_pool,
+    validate_slot_mapping,
 )
 
 

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, results_dir
-from radarlab.lab.workload import random_token_prompts
 from radarlab.lab.roofline import TransformerDims, decode_step
+from radarlab.lab.workload import random_token_prompts
 from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
@@ -335,10 +335,9 @@ def limits(config: ThroughputConfig, measurements: list[Measurement], dims: Tran
 def report(config: ThroughputConfig, measurements: list[Measurement], info: dict, balance=None) -> dict:
     """The JSON document; with balance (lab.measure.MachineBalance, measured in the same run) and
     the model's dims in info, also each measurement's place on this machine's roofline."""
-    from radarlab.lab.machine import environment
-
     import torch
 
+    from radarlab.lab.machine import environment
     from radarlab.models.linear import cpu_has_native_half
 
     env = environment()

@@ -209,7 +209,7 @@ def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int
         nbytes = decode_bytes([context] * batch, num_heads, num_kv_heads, head_dim, block_size,
                               b.k_cache.element_size(), b.block_tables.element_size())
         rows.append(DecodeBandwidth(batch, context, nbytes, best_ms, best_tile, torch_ms, error))
-        del b, args, out
+        b = args = out = None  # freed before the next context (not del: the lambdas above read args, out)
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
@@ -272,8 +272,8 @@ def _max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 def _check_store_kv(b: PagedBatch, device) -> tuple[float, float, float]:
     """triton_reshape_and_cache against the torch write, on two copies of one pool: the pools after
     the write must be identical (a copy has no rounding). The new K/V go to the query tokens' slots."""
-    from radarlab.attention.triton_paged import triton_reshape_and_cache
     from radarlab.attention.kv_write import reshape_and_cache
+    from radarlab.attention.triton_paged import triton_reshape_and_cache
 
     slots = b.slot_mapping()
     gen = torch.Generator(device=device).manual_seed(1)

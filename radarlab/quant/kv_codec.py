@@ -131,7 +131,9 @@ class QuantizedPool:
         return torch.float32  # what reads return
 
     def __getitem__(self, blocks) -> torch.Tensor:
-        pick = (lambda t: None if t is None else t[blocks])
+        def pick(t):
+            return None if t is None else t[blocks]
+
         return decode_kv(self.payload[blocks], pick(self.scales), pick(self.zeros), self.fmt,
                          1.0 if self.scale is None else self.scale)
 

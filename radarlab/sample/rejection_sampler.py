@@ -25,8 +25,8 @@ from typing import Sequence
 
 import torch
 
-from radarlab.sample.sampling_params import SamplingParams
 from radarlab.sample.sampler import probabilities
+from radarlab.sample.sampling_params import SamplingParams
 
 
 def _check(num_rows: int, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, vocab: int) -> None:

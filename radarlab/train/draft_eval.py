@@ -32,10 +32,10 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.train.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.models.llama import final_features
 from radarlab.spec_decode.draft_head import DraftHead, draft_chain, load_head
 from radarlab.spec_decode.ngram import ngram_draft
+from radarlab.train.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.train.token_table import TokenTable
 from radarlab.util import require_int
 
