@@ -31,7 +31,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
     checked_for: tuple | None = None  # the pool geometry these were validated against, if any
     plan: "PagedSDPAPlan | None" = None  # the torch backend's per-step plan (radarlab.attention.sdpa_paged)
-    backend: object | None = None  # the attention backend whose build() made this (radarlab.attention.backends)
+    # the attention backend whose build() made this (radarlab.attention.backends)
+    backend: object | None = None
 
     def __post_init__(self) -> None:
         if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:
