@@ -1,4 +1,5 @@
-"""The checkers of notebook 07: a reference passes, a stub and plausible mistakes get a plain counterexample."""
+"""The checkers of notebook 07: a reference passes, a stub and plausible mistakes get a plain
+counterexample."""
 from __future__ import annotations
 
 import pytest

@@ -25,10 +25,12 @@ def workload(tiny):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 12])
-@pytest.mark.parametrize("num_blocks, budget", [(128, 512), (128, 16), (20, 24)])  # roomy, chunked, preempting
+# roomy, chunked, preempting
+@pytest.mark.parametrize("num_blocks, budget", [(128, 512), (128, 16), (20, 24)])
 def test_greedy_equals_reference(tiny, workload, batch, num_blocks, budget):
     prompts, ref = workload
-    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget)
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch,
+                    max_num_batched_tokens=budget)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
     assert [o.output_token_ids for o in outs] == ref
     assert all(o.status is RequestStatus.FINISHED_LENGTH for o in outs)
@@ -175,7 +177,8 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write(tiny):
     assert engine.manager.num_free_blocks == 32 - 3  # 3 samples, still one copy of the prompt
     engine.step()  # first decode: each sample writes into the shared partial block
     pairs = engine.last_scheduled.copy_pairs
-    assert len(pairs) == 2 and len({src for src, _ in pairs}) == 1  # two copies of it; the last owner keeps it
+    # two copies of it; the last owner keeps it
+    assert len(pairs) == 2 and len({src for src, _ in pairs}) == 1
     assert engine.manager.num_free_blocks == 32 - 5
 
 
@@ -230,7 +233,8 @@ def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
     while to_add or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 6)):
             if to_add:
-                n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])  # some can never run
+                # some can never run
+                n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])
                 params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 8),
                                         seed=rng.randrange(1000), n=rng.choice([1, 1, 1, 2, 3]))
                 live.add(engine.add_request([rng.randrange(VOCAB) for _ in range(n)], params))
