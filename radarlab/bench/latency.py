@@ -47,8 +47,8 @@ from radarlab.util import cdiv, require_int, require_number
 
 # The CPU sweep, sized on a shared 2-core machine with one torch thread, where the engine completes at
 # most about 5 requests/s of this workload (results/latency.json): the top two rates overload it, and
-# the budget sweep's rate is just below that. A rate costs 200 / rate seconds or more: about 13 minutes in
-# all.
+# the budget sweep's rate is just below that. A rate costs 200 / rate seconds or more: about 13 minutes
+# in all.
 DEFAULT_RATES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)  # requests per second
 DEFAULT_NUM_REQUESTS = 200  # per rate: p99 of TTFT is then not simply the unluckiest request
 DEFAULT_MAX_NUM_SEQS = 16  # below the concurrency the top rates would need: there requests queue
