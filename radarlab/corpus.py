@@ -48,8 +48,8 @@ def chunk_token_ids(token_ids, num_chunks: int, chunk_len: int) -> list[list[int
     token_ids = list(token_ids)
     needed = num_chunks * chunk_len
     if needed > len(token_ids):
-        raise ValueError(f"num_chunks * chunk_len = {num_chunks} * {chunk_len} = {needed} tokens, but the text "
-                         f"has only {len(token_ids)}")
+        raise ValueError(f"num_chunks * chunk_len = {num_chunks} * {chunk_len} = "
+                         f"{needed} tokens, but the text has only {len(token_ids)}")
     return [token_ids[i * chunk_len:(i + 1) * chunk_len] for i in range(num_chunks)]
 
 

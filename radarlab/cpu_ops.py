@@ -85,7 +85,8 @@ def _build():
         return None, (f"could not build radarlab's C++ operators: no C++ compiler on PATH "
                       f"({', '.join(COMPILERS)}; or set CXX)")
     march = os.environ.get("RADARLAB_CPU_MARCH", "native")
-    name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")  # the real CPU, never an override
+    # the real CPU, never an override
+    name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")
     build = cache_dir() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     _ensure_ninja_on_path()

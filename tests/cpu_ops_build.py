@@ -9,7 +9,8 @@ from radarlab.cpu_ops import COMPILERS, CpuOpsUnavailable, find_compiler, load_c
 
 needs_compiler = pytest.mark.skipif(
     find_compiler() is None,
-    reason=f"no C++ compiler on PATH ({', '.join(COMPILERS)}, or $CXX): radarlab's C++ operators cannot be built here")
+    reason=f"no C++ compiler on PATH ({', '.join(COMPILERS)}, or $CXX): radarlab's C++ "
+           "operators cannot be built here")
 
 
 def built_or_fail():
@@ -18,5 +19,6 @@ def built_or_fail():
         return load_cpu_ops()
     except CpuOpsUnavailable as err:
         reason = str(err)
-    pytest.fail(f"a C++ compiler was found ({find_compiler()}), so radarlab's C++ operators must build: {reason}",
+    pytest.fail(f"a C++ compiler was found ({find_compiler()}), so radarlab's C++ "
+                f"operators must build: {reason}",
                 pytrace=False)

@@ -17,11 +17,21 @@ import torch
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.latency import (
-    LatencyBenchConfig, RequestTrace, StepTiming, format_table, littles_law, max_count, percentiles,
-    poisson_arrivals, run_budget_sweep, serve, summarize, time_weighted_count,
+    LatencyBenchConfig,
+    RequestTrace,
+    StepTiming,
+    format_table,
+    littles_law,
+    max_count,
+    percentiles,
+    poisson_arrivals,
+    run_budget_sweep,
+    serve,
+    summarize,
+    time_weighted_count,
 )
-from radarlab.lab.workload import random_token_prompts
 from radarlab.engine import Engine, SamplingParams
+from radarlab.lab.workload import random_token_prompts
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig
 
@@ -151,7 +161,8 @@ def test_serve_sleeps_until_the_next_arrival_when_idle(tiny):
     c = summarize(traces, steps)["concurrency"]
     assert c["running_max"] == c["in_system_max"] == 1
     # busy 1.5 s of 6.5 with one request; the idle gaps before A and between A and B count as 0
-    assert c["in_system_time_weighted"] == pytest.approx(3.0 / 6.5) and c["running_time_weighted"] == 3.0 / 6.5
+    assert c["in_system_time_weighted"] == pytest.approx(3.0 / 6.5)
+    assert c["running_time_weighted"] == 3.0 / 6.5
     assert c["running_step_mean"] == 1.0  # the per-step mean cannot see the idle time
 
 
@@ -179,7 +190,8 @@ def test_serve_delivers_every_token_equal_to_greedy_under_preemption(tiny):
 
 
 def test_serve_records_a_request_that_cannot_run(tiny):
-    traces, steps, _, _ = fake_serve(tiny, [[1, 2, 3], list(range(40))], [0.0, 0.0], max_tokens=2, num_blocks=4)
+    traces, steps, _, _ = fake_serve(tiny, [[1, 2, 3], list(range(40))], [0.0, 0.0], max_tokens=2,
+                                     num_blocks=4)
     assert traces[0].ok and traces[0].output_token_ids == greedy_generate(tiny, [[1, 2, 3]], 2)[0]
     # the pool holds 16 tokens, so the engine's max_model_len is 16
     assert not traces[1].ok and traces[1].status == "finished_error" and "max_model_len=16" in traces[1].error
@@ -206,7 +218,8 @@ def test_percentiles_match_numpy_linear_interpolation():
     assert got == {"mean": pytest.approx(np.mean(data), rel=1e-15), "p50": np.percentile(data, 50),
                    "p90": np.percentile(data, 90), "p99": np.percentile(data, 99),
                    "max": max(data)}
-    assert percentiles([1.0, 2.0, 3.0, 4.0]) == {"mean": 2.5, "p50": 2.5, "p99": pytest.approx(3.97), "max": 4.0}
+    assert percentiles([1.0, 2.0, 3.0, 4.0]) == {"mean": 2.5, "p50": 2.5, "p99": pytest.approx(3.97),
+                                                 "max": 4.0}
     assert percentiles([]) == {"mean": None, "p50": None, "p99": None, "max": None}
 
 
@@ -250,7 +263,8 @@ def test_littles_law_holds_over_a_window_that_starts_and_ends_empty():
 def test_littles_law_drifts_over_a_window_cut_through_a_busy_period():
     """Window [1, 4]: L = 7/3; arrivals 1 and 2 -> lambda = 2/3, W = (2 + 4) / 2 = 3: lambda x W = 2."""
     law = littles_law(trace_of(STAYS), (1.0, 4.0))
-    assert law["L"] == pytest.approx(7 / 3) and law["lambda_req_s"] == pytest.approx(2 / 3) and law["W_s"] == 3.0
+    assert law["L"] == pytest.approx(7 / 3) and law["lambda_req_s"] == pytest.approx(2 / 3)
+    assert law["W_s"] == 3.0
     assert law["lambda_x_W"] == pytest.approx(2.0) and law["L_over_lambda_x_W"] == pytest.approx(7 / 6)
     empty = littles_law(trace_of(STAYS), (10.0, 11.0))
     assert empty["L"] == 0.0 and empty["W_s"] is None and empty["L_over_lambda_x_W"] is None
@@ -275,7 +289,8 @@ def test_budget_sweep_chunked_prefill_bounds_the_decoders_gaps(tiny):
     the decoders run every step (running requests are scheduled first), so no gap exceeds 0.18 s. With a
     budget of 64 a whole 30-40-token prompt joins the step of the decoders: some gap is >= 0.1 + 0.31."""
     fake = FakeClock(step_cost=0.0)
-    hook = tiny.register_forward_pre_hook(lambda _, args: setattr(fake, "t", fake.t + 0.1 + 0.01 * args[0].numel()))
+    hook = tiny.register_forward_pre_hook(lambda _,
+                                          args: setattr(fake, "t", fake.t + 0.1 + 0.01 * args[0].numel()))
     try:
         config = LatencyBenchConfig(num_requests=8, output_len=4, prompt_len_range=(30, 40), max_num_seqs=4,
                                     budgets=(8, 64), budget_rate=50.0, seed=1)
@@ -313,7 +328,8 @@ def test_default_pool_holds_every_request_at_full_length():
 @pytest.mark.parametrize("argv, flag", [
     (["--rates", "0"], "--rates"), (["--rates", "-1,2"], "--rates"), (["--rates", "fast"], "--rates"),
     (["--num-requests", "0"], "--num-requests"), (["--output-len", "0"], "--output-len"),
-    (["--max-num-seqs", "-1"], "--max-num-seqs"), (["--seed", "-1"], "--seed"), (["--threads", "0"], "--threads"),
+    (["--max-num-seqs", "-1"], "--max-num-seqs"), (["--seed", "-1"], "--seed"),
+    (["--threads", "0"], "--threads"),
     (["--budgets", "64,x"], "--budgets"), (["--budgets", "64,-1"], "--budgets"),
     (["--budget-rate", "0"], "--budget-rate"),
 ])
@@ -329,7 +345,8 @@ def test_cli_end_to_end_on_the_course_model(tmp_path):
     rate and with two budgets."""
     out = tmp_path / "latency.json"
     env = {**os.environ, "RADARLAB_FULL": "0"}
-    proc = subprocess.run([sys.executable, "-m", "radarlab.bench", "latency", "--rates", "4", "--num-requests", "3",
+    proc = subprocess.run([sys.executable, "-m", "radarlab.bench", "latency", "--rates", "4",
+                           "--num-requests", "3",
                            "--output-len", "2", "--threads", "1", "--budgets", "32,512", "--budget-rate", "8",
                            "--json", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -344,7 +361,8 @@ def test_cli_end_to_end_on_the_course_model(tmp_path):
     (r,) = doc["results"]
     assert r["rate"] == 4.0 and r["completed"] == 3 and r["output_tokens"] == 6 and r["preemptions"] == 0
     for key in ("ttft_s", "itl_s", "e2e_s"):
-        assert set(r[key]) == {"mean", "p50", "p99", "max"} and all(math.isfinite(v) and v > 0 for v in r[key].values())
+        assert set(r[key]) == {"mean", "p50", "p99",
+                               "max"} and all(math.isfinite(v) and v > 0 for v in r[key].values())
     assert r["ttft_s"]["p50"] <= r["ttft_s"]["p99"] <= r["e2e_s"]["p99"]
     c = r["concurrency"]
     assert 0 < c["running_time_weighted"] <= c["in_system_time_weighted"] <= c["in_system_max"] <= 3
@@ -361,7 +379,8 @@ def test_plot_latency_sweep_draws_the_panels():
     from radarlab.viz.latency_plot import plot_latency_sweep
 
     def row(rate, c, **extra):
-        return {"rate": rate, "ttft_s": {"p50": 1.0 * rate, "p99": 2.0 * rate}, "itl_s": {"p50": 0.1, "p99": None},
+        return {"rate": rate, "ttft_s": {"p50": 1.0 * rate, "p99": 2.0 * rate},
+                "itl_s": {"p50": 0.1, "p99": None},
                 "concurrency": {"in_system_time_weighted": 2 * c, "running_time_weighted": c},
                 "littles_law": {"lambda_x_W": 2 * c + 0.5}, **extra}
 

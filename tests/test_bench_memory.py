@@ -10,7 +10,15 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.reservation import (
-    RESERVATIONS, MemoryBenchConfig, chunked_prompt_blocks, contiguous, paged, report, run, simulate, thrash_sweep,
+    RESERVATIONS,
+    MemoryBenchConfig,
+    chunked_prompt_blocks,
+    contiguous,
+    paged,
+    report,
+    run,
+    simulate,
+    thrash_sweep,
 )
 from radarlab.lab.workload import WorkloadRequest as Request, WorkloadSpec, lognormal_lengths, make_workload
 
@@ -39,7 +47,8 @@ def test_default_workload_has_at_least_200_requests_within_bounds():
 
 @pytest.mark.parametrize("max_model_len", [2, 3, 64])
 def test_clipping_holds_for_tiny_contexts(max_model_len):
-    spec = WorkloadSpec(num_requests=500, seed=1, max_model_len=max_model_len, prompt_sigma=2.0, output_sigma=2.0)
+    spec = WorkloadSpec(num_requests=500, seed=1, max_model_len=max_model_len, prompt_sigma=2.0,
+                        output_sigma=2.0)
     for r in make_workload(spec):
         assert 1 <= r.prompt_len <= max_model_len - 1
         assert 1 <= r.output_len <= max_model_len - r.prompt_len
@@ -151,7 +160,8 @@ def test_the_paper_ordering_holds_on_the_workload():
                             + summary["waste"]["never_used"], 1)
         # every output token is sampled once, whatever was recomputed
         assert summary["tokens_sampled"] == sum(r.output_len for r in requests)
-        assert summary["tokens_computed"] - summary["recomputed_tokens"] == sum(r.max_cached_tokens for r in requests)
+        assert (summary["tokens_computed"] - summary["recomputed_tokens"]
+                == sum(r.max_cached_tokens for r in requests))
 
 
 # --- JSON and the command line ---------------------------------------------------------------------
@@ -175,7 +185,8 @@ def test_cli_writes_json_with_parameters_environment_and_results(tmp_path, capsy
     assert {"python", "torch", "device"} <= set(doc["environment"])
     for name in ("max", "pow2", "oracle", "paged"):
         r = doc["results"][name]
-        assert {"utilisation", "utilisation_at_peak", "waste", "concurrency", "steps", "preemptions"} <= set(r)
+        assert {"utilisation", "utilisation_at_peak", "waste", "concurrency", "steps",
+                "preemptions"} <= set(r)
     assert doc["goal"]["paged_utilisation_min"] == 0.96
     assert doc["goal"]["met"] == (doc["results"]["paged"]["utilisation"] >= 0.96)
     assert doc == json.loads(json.dumps(report(SMALL, run(SMALL)) | {"environment": doc["environment"]}))

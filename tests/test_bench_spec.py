@@ -7,11 +7,25 @@ import json
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
-from radarlab.bench.speculation import (SpecBenchConfig, fastest, format_table, goal, result_row, speedups,
-                                       workload_prompts)
+from radarlab.bench.speculation import (
+    SpecBenchConfig,
+    fastest,
+    format_table,
+    goal,
+    result_row,
+    speedups,
+    workload_prompts,
+)
 from radarlab.lab.workload import copy_prompts, free_prompts, source_functions
-from radarlab.validate.vllm_spec import (VLLM_ACCEPTED_PER_POS, VLLM_NUM_ACCEPTED, VLLM_NUM_DRAFT_TOKENS,
-                                         VLLM_NUM_DRAFTS, SpecRun, counters_agree, spec_counters)
+from radarlab.validate.vllm_spec import (
+    VLLM_ACCEPTED_PER_POS,
+    VLLM_NUM_ACCEPTED,
+    VLLM_NUM_DRAFT_TOKENS,
+    VLLM_NUM_DRAFTS,
+    SpecRun,
+    counters_agree,
+    spec_counters,
+)
 
 
 def test_copy_and_free_prompts_are_seeded_prefixes():
@@ -40,7 +54,8 @@ def test_spec_counters_are_snapshot_differences():
               VLLM_ACCEPTED_PER_POS: [3.0, 2.0, 1.0, 1.0, 0.0]}
     after = {VLLM_NUM_DRAFTS: 10.0, VLLM_NUM_DRAFT_TOKENS: 50.0, VLLM_NUM_ACCEPTED: 30.0,
              VLLM_ACCEPTED_PER_POS: [9.0, 8.0, 6.0, 4.0, 3.0]}
-    assert spec_counters(before, after) == {"num_drafts": 7, "num_draft_tokens": 35, "num_accepted_tokens": 23,
+    assert spec_counters(before, after) == {"num_drafts": 7, "num_draft_tokens": 35,
+                                            "num_accepted_tokens": 23,
                                             "num_accepted_tokens_per_pos": [6, 6, 5, 3, 3]}
     assert spec_counters({}, after)["num_accepted_tokens_per_pos"] == [9, 8, 6, 4, 3]
     assert spec_counters({}, {}) == {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0,
@@ -62,9 +77,12 @@ def test_counters_agree_allows_only_each_requests_last_draft():
     assert counters_agree(ours, vllm) and counters_agree(ours, ours)
     assert not counters_agree(vllm, ours)  # we never draft more than vLLM
     assert counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 168, [41, 37, 32, 29, 29]))
-    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 167, [42, 36, 31, 29, 29]))  # 2 more at pos 0
-    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 53, 255, 165, [40, 36, 31, 29, 29]))  # 3 more drafts
-    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 166, [40, 36, 31, 29, 29]))  # sum mismatch
+    # 2 more at pos 0
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 167, [42, 36, 31, 29, 29]))
+    # 3 more drafts
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 53, 255, 165, [40, 36, 31, 29, 29]))
+    # sum mismatch
+    assert not counters_agree(ours, SpecRun([[0] * 256], 1.0, 51, 255, 166, [40, 36, 31, 29, 29]))
     two = SpecRun([[0] * 8] * 2, 1.0, 4, 10, 5, [3, 2])
     assert counters_agree(two, SpecRun([[0] * 8] * 2, 1.0, 6, 14, 9, [5, 4]))  # one more per request
     # measured: the trained EAGLE head, k=4, 4 prompts x 48 tokens, rarely accepted: over each request's last
@@ -105,7 +123,8 @@ def test_bad_config_raises(kwargs, match):
 
 
 def test_the_fastest_of_repeated_runs_counts():
-    runs = [SpecRun([[1, 2]], 2.0, num_drafts=1), SpecRun([[1, 2]], 0.5, num_drafts=2), SpecRun([[1, 2]], 1.0)]
+    runs = [SpecRun([[1, 2]], 2.0, num_drafts=1), SpecRun([[1, 2]], 0.5, num_drafts=2),
+            SpecRun([[1, 2]], 1.0)]
     row = result_row("radarlab", "ngram", "copy", runs)
     assert row["tokens_per_s"] == 4.0 and row["num_drafts"] == 2 and row["repeats"] == 3
     assert row["tokens_per_s_runs"] == [1.0, 4.0, 2.0]
@@ -128,7 +147,8 @@ def _check_doc(doc: dict, systems: set, batch_sizes: list[int]) -> None:
     assert len(results) == len(systems) * 2 * 2 * len(batch_sizes)
     assert doc["environment"]["cpu_kind"]
     for r in results:
-        assert r["tokens_per_s"] > 0 and r["output_tokens"] == r["batch_size"] * doc["parameters"]["max_tokens"]
+        assert r["tokens_per_s"] > 0
+        assert r["output_tokens"] == r["batch_size"] * doc["parameters"]["max_tokens"]
         if r["method"] == "none":
             assert r["acceptance_rate"] is None and r["mean_accepted"] is None and r["num_drafts"] == 0
     for system in systems:
@@ -161,7 +181,8 @@ def test_tiny_run_with_vllm(tmp_path):
         same = [e for e in doc["outputs_equal"] if e["system"] == "vllm" and e["method"] == "ngram"
                 and e["workload"] == w]
         if same and same[0]["equal_to_radarlab_plain"] == 1.0:
-            ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0, **{k: r[k] for k in SpecRun([], 1.0).counters()})
+            ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0,
+                                    **{k: r[k] for k in SpecRun([], 1.0).counters()})
                             for r in (by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]))
             assert counters_agree(ours, theirs), (ours.counters(), theirs.counters())
 

@@ -9,14 +9,22 @@ import pytest
 
 from radarlab.bench.__main__ import main as bench_main
 from radarlab.bench.throughput import (
-    Measurement, dtype_notes, results_path, ThroughputConfig, format_table, goal, ratios, report,
+    Measurement,
+    ThroughputConfig,
+    dtype_notes,
+    format_table,
+    goal,
+    ratios,
+    report,
+    results_path,
 )
 from radarlab.lab.workload import random_token_prompts
 
 
 def test_prompts_are_seeded_and_in_range():
     a = random_token_prompts(64, 1000, (16, 128), seed=0)
-    assert a == random_token_prompts(64, 1000, (16, 128), seed=0) != random_token_prompts(64, 1000, (16, 128), seed=1)
+    assert a == random_token_prompts(64, 1000, (16, 128), seed=0) != random_token_prompts(64, 1000, (16, 128),
+                                                                                          seed=1)
     assert all(16 <= len(p) <= 128 and all(0 <= t < 1000 for t in p) for p in a)
     assert len({len(p) for p in a}) > 20  # lengths really vary
     assert random_token_prompts(16, 1000, (16, 128), seed=0) == a[:16]  # a smaller batch is a prefix
@@ -53,15 +61,17 @@ def test_ratios_and_goal():
     assert goal(ms)["by_dtype"]["float32"]["at_least_vllm"] is True  # 1.0x exactly at both sizes
     ms[1] = m("transformers", 1, 21)
     assert goal(ms)["by_dtype"]["float32"]["at_least_transformers"] is False
-    assert goal(ms[:1])["by_dtype"]["float32"] == {"min_ratio_transformers": None, "at_least_transformers": None,
+    assert goal(ms[:1])["by_dtype"]["float32"] == {"min_ratio_transformers": None,
+                                                   "at_least_transformers": None,
                                                    "min_ratio_vllm": None, "at_least_vllm": None}
 
 
 def test_bf16_rows_say_when_their_matmuls_run_in_fp32():
     doc = {"results": [m("radarlab", 1, 20, dtype="bfloat16").row()], "ratios": [],
            "environment": {"cpu_native_bf16": False}}
-    assert format_table(doc).splitlines()[0] == ("output tokens/s, bfloat16 (radarlab's bf16 matmuls of 16+ rows "
-                                                 "run in fp32: this CPU has no bf16 instructions)")
+    assert format_table(doc).splitlines()[0] == ("output tokens/s, bfloat16 (radarlab's "
+                                                 "bf16 matmuls of 16+ rows run in fp32: this CPU "
+                                                 "has no bf16 instructions)")
     doc["environment"]["cpu_native_bf16"] = True
     assert format_table(doc).splitlines()[0] == "output tokens/s, bfloat16"
     assert dtype_notes(True) == {} and set(dtype_notes(False)) == {"bfloat16"}
@@ -106,7 +116,8 @@ def test_report_holds_only_what_this_run_measured():
     """Numbers to compare with come from runs the project made (results/throughput.json records its
     machine), never from constants measured elsewhere."""
     ms = [m("radarlab", 1, 20), m("transformers", 1, 10)]
-    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",), systems=("radarlab", "transformers")), ms, {})
+    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",),
+                                  systems=("radarlab", "transformers")), ms, {})
     assert set(doc) == {"benchmark", "parameters", "environment", "results", "ratios", "goal"}
     assert doc["results"] == [x.row() for x in ms] and doc["environment"]["torch_threads"] >= 1
 
@@ -122,7 +133,8 @@ def test_end_to_end_every_system(tmp_path, capsys):
     got = {(r["system"], r["batch_size"]) for r in doc["results"]}
     assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm") for b in (1, 3)}
     for r in doc["results"]:
-        assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s", "seconds_runs"}
+        assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s",
+                          "seconds_runs"}
         assert r["seconds"] == min(r["seconds_runs"]) and len(r["seconds_runs"]) == 2
         assert r["dtype"] == "float32" and r["output_tokens"] == 4 * r["batch_size"]
         assert r["tokens_per_s"] == pytest.approx(r["output_tokens"] / r["seconds"])
@@ -131,7 +143,8 @@ def test_end_to_end_every_system(tmp_path, capsys):
         assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
         assert row["outputs_equal_radarlab_torch"] == 1.0  # the C++ operators change no token
     # each measurement placed on this machine's roofline, measured in the same run
-    assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0 and doc["machine_balance"]["fp32_gemm_gflop_s"] > 0
+    assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0
+    assert doc["machine_balance"]["fp32_gemm_gflop_s"] > 0
     assert {(r["system"], r["batch_size"]) for r in doc["limits"]} == got
     assert all(0 < r["bandwidth_fraction"] and 0 < r["flops_fraction"] for r in doc["limits"])
     table = capsys.readouterr().out
@@ -158,14 +171,16 @@ def test_plot_throughput_draws_one_bar_per_system_and_batch():
 
 
 def test_limits_place_a_measurement_on_the_roofline():
-    """A step of batch 2 at 10 tok/s takes 0.2 s; its bytes and FLOPs are decode_step's at the mean context."""
+    """A step of batch 2 at 10 tok/s takes 0.2 s; its bytes and FLOPs are decode_step's at the mean
+    context."""
     from radarlab.bench.throughput import ThroughputConfig, limits
     from radarlab.lab.roofline import TransformerDims, decode_step
 
     dims = TransformerDims(layers=2, hidden=8, intermediate=16, heads=2, kv_heads=1, head_dim=4, vocab=10)
     config = ThroughputConfig(batch_sizes=(2,), dtypes=("float32",), systems=("radarlab",), max_tokens=4,
                               min_prompt_len=8, max_prompt_len=12)
-    m = Measurement("radarlab", 2, "float32", output_tokens=20, seconds=2.0)  # 10 tok/s: a step of 2 takes 0.2 s
+    # 10 tok/s: a step of 2 takes 0.2 s
+    m = Measurement("radarlab", 2, "float32", output_tokens=20, seconds=2.0)
     (row,) = limits(config, [m], dims, peak_flops=1e6, bandwidth=1e5)
     step = decode_step(dims, 2, 10 + 2, "fp32", "fp32")  # context: mean prompt 10 + half of 4 new tokens
     assert row["context"] == 12 and row["bytes_per_step"] == step.bytes
@@ -178,11 +193,14 @@ def test_the_torch_only_engine_is_a_system_of_its_own():
     operators buy, and the report says which operators the radarlab rows ran."""
     ms = [m("radarlab", 1, 30), m("radarlab_torch", 1, 20), m("vllm", 1, 25)]
     (row,) = ratios(ms)
-    assert row["radarlab_over_radarlab_torch"] == pytest.approx(1.5) and row["radarlab_over_vllm"] == pytest.approx(1.2)
-    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",), systems=("radarlab", "radarlab_torch",
+    assert row["radarlab_over_radarlab_torch"] == pytest.approx(1.5)
+    assert row["radarlab_over_vllm"] == pytest.approx(1.2)
+    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",),
+                                  systems=("radarlab", "radarlab_torch",
                                                                                    "vllm")), ms, {})
     ops = doc["environment"]["radarlab_cpu_ops"]
-    assert ops["built"] is False or ops["operators"] == ["paged_decode", "reshape_and_cache", "rms_norm", "silu_and_mul",
+    assert ops["built"] is False or ops["operators"] == ["paged_decode", "reshape_and_cache", "rms_norm",
+                                                         "silu_and_mul",
                                                       "rotary_embedding"]
     assert "radarlab / radarlab_torch" in format_table(doc)
 

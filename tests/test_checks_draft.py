@@ -1,10 +1,15 @@
-"""The checkers of notebook 09: a reference passes, a stub and plausible mistakes get a plain counterexample."""
+"""The checkers of notebook 09: a reference passes, a stub and plausible mistakes get a plain
+counterexample."""
 from __future__ import annotations
 
 import pytest
 
-from radarlab.checks import (check_acceptance_counts, check_first_costly_batch, reference_acceptance_counts,
-                             reference_first_costly_batch)
+from radarlab.checks import (
+    check_acceptance_counts,
+    check_first_costly_batch,
+    reference_acceptance_counts,
+    reference_first_costly_batch,
+)
 from radarlab.lab.roofline import decode_step
 
 
@@ -88,7 +93,8 @@ def _kv_per_token(dims, k, context, peak, bw, dtype, tolerance):  # reads each s
 
 
 def _decode_ridge(dims, k, context, peak, bw, dtype, tolerance):  # where plain decode turns compute-bound
-    return next((b for b in range(1, 4097) if decode_step(dims, b, context, dtype, dtype).intensity >= peak / bw), None)
+    return next((b for b in range(1, 4097) if decode_step(dims, b, context, dtype,
+                                                          dtype).intensity >= peak / bw), None)
 
 
 def test_costly_reference_and_formula_pass(capsys):

@@ -62,13 +62,16 @@ def test_decode_reference_passes(capsys):
 
 @pytest.mark.parametrize("fn,message", [
     (_stub, "not written yet"),
-    (_ieee_like, "code 0x7E (bits 0 1111 110) decoded to nan, expected 448.0 (E4M3fn, 'fn' for finite, has no "
+    (_ieee_like,
+     "code 0x7E (bits 0 1111 110) decoded to nan, expected 448.0 (E4M3fn, 'fn' for finite, has no "
                 "infinity"),
-    (_no_subnormals, "code 0x01 (bits 0 0000 001) decoded to 0.0087890625, expected 0.001953125 (exponent 0 is "
+    (_no_subnormals,
+     "code 0x01 (bits 0 0000 001) decoded to 0.0087890625, expected 0.001953125 (exponent 0 is "
                      "subnormal"),
     (_bias_8, "code 0x38 (bits 0 0111 000) decoded to 0.5, expected 1.0 (the exponent bias of E4M3 is 7)"),
     (_unsigned, "code 0xB8 (bits 1 0111 000) decoded to 1.0, expected -1.0 (bit 7 is the sign)"),
-    (lambda code: str(decode_e4m3(code)), "for code 0x38 (bits 0 0111 000) it returned '1.0'; expected a float"),
+    (lambda code: str(decode_e4m3(code)),
+     "for code 0x38 (bits 0 0111 000) it returned '1.0'; expected a float"),
 ])
 def test_decode_mistakes_fail(capsys, fn, message):
     assert check_decode_e4m3(fn) is False
@@ -78,7 +81,8 @@ def test_decode_mistakes_fail(capsys, fn, message):
 # --- encode_e4m3 ---------------------------------------------------------------------------------
 
 def _positive_values():
-    return torch.tensor([decode_e4m3(c) for c in range(0x7F)], dtype=torch.float64)  # codes 0..0x7E, ascending
+    # codes 0..0x7E, ascending
+    return torch.tensor([decode_e4m3(c) for c in range(0x7F)], dtype=torch.float64)
 
 
 def encode_e4m3(x, rounding):
@@ -139,12 +143,15 @@ def test_encode_reference_passes(capsys):
 
 @pytest.mark.parametrize("fn,message", [
     (_stub, "not written yet"),
-    (_always_rtz, "values between codes, rounding='rne', x=1.100000023841858 gave code 0x38 (1.0), expected 0x39 "
+    (_always_rtz,
+     "values between codes, rounding='rne', x=1.100000023841858 gave code 0x38 (1.0), expected 0x39 "
                   "(1.125) (that is rounding toward zero, what vLLM's CPU kernels do"),
-    (_always_rne, "values between codes, rounding='rtz', x=1.100000023841858 gave code 0x39 (1.125), expected 0x38 "
+    (_always_rne,
+     "values between codes, rounding='rtz', x=1.100000023841858 gave code 0x39 (1.125), expected 0x38 "
                   "(1.0) (that is rounding to nearest"),
     (_nan_beyond_range, "x=449.0 gave code 0x7F (nan), expected 0x7E (448.0) (beyond 448 saturate"),
-    (_rtz_floors_negatives, "x=-1.100000023841858 gave code 0xB9 (-1.125), expected 0xB8 (-1.0) (toward zero for "
+    (_rtz_floors_negatives,
+     "x=-1.100000023841858 gave code 0xB9 (-1.125), expected 0xB8 (-1.0) (toward zero for "
                             "negatives too"),
     (_ties_away, "x=1.0625 gave code 0x39 (1.125), expected 0x38 (1.0) (a tie goes to the even code"),
     (_nan_to_zero, "x=nan gave code 0x00 (0.0), expected 0x7F (nan) (a NaN stays NaN"),
@@ -191,7 +198,9 @@ def test_scale_reference_passes(capsys):
     (_per_head, "it returned shape (1,), expected (1, 1) (one scale per token and head"),
     (_no_zero_guard, "token 1, head 0 was 0, expected 1 (an all-zero vector gets scale 1"),
     (_amax_only, "was 2, expected 0.00446429 (divide the amax by the largest E4M3 value, 448"),
-    (_max_not_abs, "the scale of token 0, head 0 was 0.00223214, expected 0.00446429 (scale = max |x| over head_dim / 448)"),
+    (_max_not_abs,
+     "the scale of token 0, head 0 was 0.00223214, expected 0.00446429 (scale = "
+     "max |x| over head_dim / 448)"),
 ])
 def test_scale_mistakes_fail(capsys, fn, message):
     assert check_per_token_head_scale(fn) is False

@@ -1,11 +1,17 @@
-"""The checkers of notebook 07: a reference passes, a stub and plausible mistakes get a plain counterexample."""
+"""The checkers of notebook 07: a reference passes, a stub and plausible mistakes get a plain
+counterexample."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from radarlab.checks import (check_int4_bytes_per_token, check_pack_nibbles, check_quantize_group,
-                             reference_int4_bytes_per_token, reference_quantize_group)
+from radarlab.checks import (
+    check_int4_bytes_per_token,
+    check_pack_nibbles,
+    check_quantize_group,
+    reference_int4_bytes_per_token,
+    reference_quantize_group,
+)
 
 
 def _stub(*args):

@@ -5,7 +5,6 @@ import pytest
 
 from radarlab.checks import check_append_to_contiguous_cache, check_reservation_utilisation
 
-
 # --- append_to_contiguous_cache ------------------------------------------------------------------
 
 def append_reference(k_cache, v_cache, row, seq_len, k, v):
@@ -69,13 +68,15 @@ def utilisation_reference(context_lens, max_model_len, block_size):
     if not context_lens or any(not 1 <= n <= max_model_len for n in context_lens):
         raise ValueError("bad context_lens")
     used = sum(context_lens)
-    return used / (len(context_lens) * max_model_len), used / sum(-(-n // block_size) * block_size for n in context_lens)
+    return (used / (len(context_lens) * max_model_len),
+            used / sum(-(-n // block_size) * block_size for n in context_lens))
 
 
 def _floor_blocks(context_lens, max_model_len, block_size):
     utilisation_reference(context_lens, max_model_len, block_size)
     used = sum(context_lens)
-    return used / (len(context_lens) * max_model_len), used / sum(n // block_size * block_size for n in context_lens)
+    return (used / (len(context_lens) * max_model_len),
+            used / sum(n // block_size * block_size for n in context_lens))
 
 
 def _no_validation(context_lens, max_model_len, block_size):

@@ -1,4 +1,5 @@
-"""Notebook 04's checkers: the solution passes, and typical mistakes fail with a counterexample that says why."""
+"""Notebook 04's checkers: the solution passes, and typical mistakes fail with a counterexample that says
+why."""
 from __future__ import annotations
 
 import os
@@ -45,8 +46,9 @@ def test_reshape_and_cache_with_block_and_row_swapped_fails(capsys):
         v_cache[slots % bs, slots // bs] = v[keep]
 
     assert not check_reshape_and_cache(swapped)
-    assert capsys.readouterr().out.startswith("FAIL reshape_and_cache: for 3 tokens into slots [5, 6, 7] of 3 blocks "
-                                              "of 4 (block 1, rows 1-3), 1 KV head, head_dim 2 it raised IndexError")
+    assert capsys.readouterr().out.startswith("FAIL reshape_and_cache: for 3 tokens into "
+                                              "slots [5, 6, 7] of 3 blocks of 4 (block 1, rows 1-3), 1 KV "
+                                              "head, head_dim 2 it raised IndexError")
 
 
 def test_reshape_and_cache_that_mixes_up_k_and_v_fails(capsys):
@@ -55,8 +57,8 @@ def test_reshape_and_cache_that_mixes_up_k_and_v_fails(capsys):
 
     assert not check_reshape_and_cache(mixed)
     assert capsys.readouterr().out.startswith(
-        "FAIL reshape_and_cache: for 3 tokens into slots [5, 6, 7] of 3 blocks of 4 (block 1, rows 1-3), 1 KV head, "
-        "head_dim 2 k_cache[1, 1] (slot 5) holds")
+        "FAIL reshape_and_cache: for 3 tokens into slots [5, 6, 7] of 3 blocks of 4 (block "
+        "1, rows 1-3), 1 KV head, head_dim 2 k_cache[1, 1] (slot 5) holds")
 
 
 def test_reshape_and_cache_that_returns_a_new_pool_fails(capsys):
@@ -166,7 +168,7 @@ def store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
 def _stub_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
                  stride_kt, stride_kh, stride_cb, stride_cs, stride_ch, num_kv_heads, head_dim,
                  BLOCK_SIZE: tl.constexpr, HEADS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
-    token = tl.program_id(0)
+    tl.program_id(0)
     raise NotImplementedError()
 
 
@@ -253,13 +255,17 @@ def test_store_kv_kernel_solution_passes(capsys):
 
 @pytest.mark.parametrize("kernel,message", [
     (_stub_kernel, "the kernel is not written yet (it raises NotImplementedError)"),
-    (_writes_padding, "for 4 tokens with slots [9, -1, 2, -1] in 3 blocks of 4 (-1 is padding: nothing is written "
-                      "for it) it wrote 32 values into the memory just before k_cache (slot -1 is padding: skip it"),
-    (_slot_as_block, "for 3 tokens into slots [5, 6, 7] of a pool of 3 blocks of 4 (block 1, rows 1-3), 2 KV heads, "
-                     "head_dim 16 it wrote past the end of k_cache, into block 5 of a pool of 3 (is the slot used "
-                     "as a block id?"),
+    (_writes_padding,
+     "for 4 tokens with slots [9, -1, 2, -1] in 3 blocks of 4 (-1 is padding: nothing is written "
+                      "for it) it wrote 32 values into the memory just before k_cache "
+                      "(slot -1 is padding: skip it"),
+    (_slot_as_block,
+     "for 3 tokens into slots [5, 6, 7] of a pool of 3 blocks of 4 (block 1, rows 1-3), 2 KV heads, "
+                     "head_dim 16 it wrote past the end of k_cache, into block 5 of a "
+                     "pool of 3 (is the slot used as a block id?"),
     (_k_and_v_swapped, "head_dim 16, k_cache[1, 1, 0] (slot 5, KV head 0) holds"),
-    (_first_head_only, "k_cache[1, 1, 1] (slot 5, KV head 1) holds [7, 7, 7, ...] instead of token 0's key for that "
+    (_first_head_only,
+     "k_cache[1, 1, 1] (slot 5, KV head 1) holds [7, 7, 7, ...] instead of token 0's key for that "
                        "head (nothing was written there: store every KV head"),
 ])
 def test_store_kv_kernel_mistakes(capsys, kernel, message):

@@ -1,4 +1,5 @@
-"""The rms_norm checker of notebook 00: the reference passes, and typical mistakes get a plain counterexample."""
+"""The rms_norm checker of notebook 00: the reference passes, and typical mistakes get a plain
+counterexample."""
 from __future__ import annotations
 
 import pytest

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 
 from radarlab.checks import check_expected_tokens_per_step, check_ngram_draft, check_verify_stochastic
-from radarlab.spec_decode.ngram import ngram_draft
 from radarlab.sample.rejection_sampler import verify_stochastic
+from radarlab.spec_decode.ngram import ngram_draft
 from radarlab.spec_decode.theory import expected_tokens_per_step
 
 

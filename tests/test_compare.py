@@ -86,7 +86,8 @@ def test_string_keys_from_json_work():
     (dict(logprobs_b="x"), TypeError),
 ])
 def test_bad_inputs_raise(kwargs, err):
-    args = dict(tokens_a=[1, 2], logprobs_a=[lp(1), lp(2, 3)], tokens_b=[1, 3], logprobs_b=[lp(1), lp(3, 2)], k=5)
+    args = dict(tokens_a=[1, 2], logprobs_a=[lp(1), lp(2, 3)], tokens_b=[1, 3], logprobs_b=[lp(1), lp(3, 2)],
+                k=5)
     args.update(kwargs)
     with pytest.raises(err):
         compare_greedy(**args)

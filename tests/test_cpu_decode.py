@@ -20,6 +20,7 @@ from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.cpu_ops import load_cpu_ops
 from radarlab.device import cpu_arch, cpu_flags
+
 from cpu_ops_build import built_or_fail, needs_compiler
 from test_paged_attention import TOL, make_case, max_error
 
@@ -39,12 +40,14 @@ HEADS = [(9, 3, 64), (4, 2, 128), (2, 2, 64), (8, 2, 64), (6, 3, 40), (2, 1, 8)]
 
 
 def decode(case, **kw):
-    return paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, **kw)
+    return paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale,
+                            **kw)
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: "x".join(map(str, h)))
-@pytest.mark.parametrize("batch", [1, 8], ids=["per_kv_head", "per_sequence"])  # 8 >= 2 threads: whole sequences
+# 8 >= 2 threads: whole sequences
+@pytest.mark.parametrize("batch", [1, 8], ids=["per_kv_head", "per_sequence"])
 def test_fp32_equals_the_reference(block_size, heads, batch):
     lens = (DECODES * 2)[:batch] if batch > 1 else [37]
     case = make_case(lens, [1] * len(lens), block_size, *heads, seed=block_size + batch)
@@ -76,7 +79,8 @@ def test_rows_place_each_decode_and_leave_other_rows_alone():
     rows = torch.tensor([4, 0, 2])
     q[rows] = case.q
     out = torch.full_like(q, 7.0)
-    paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, out=out, rows=rows)
+    paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale, out=out,
+                     rows=rows)
     assert max_error(out[rows], case.expected) < TOL
     assert (out[[1, 3, 5]] == 7.0).all()
 
@@ -128,7 +132,8 @@ def test_bad_inputs_raise_and_name_the_problem():
         bad[0, 0] = case.k_cache.shape[0]
         paged_decode_cpu(case.q, case.k_cache, case.v_cache, bad, case.seq_lens, case.scale)
     with pytest.raises(ValueError, match="at least one token"):
-        paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, torch.tensor([0, 9]), case.scale)
+        paged_decode_cpu(case.q, case.k_cache, case.v_cache, case.block_tables, torch.tensor([0, 9]),
+                         case.scale)
     with pytest.raises(ValueError, match="pass rows"):
         paged_decode_cpu(case.q[:1], case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
     op = load_cpu_ops().paged_decode
@@ -160,7 +165,8 @@ _OTHER_ISA = textwrap.dedent("""
             for lens in ([37], [1, 5, 16, 23, 40, 2, 9, 31]):
                 case = make_case(lens, [1] * len(lens), 4, *heads, seed=len(lens), dtype=dtype)
                 q = case.q.float()
-                out = paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens, case.scale)
+                out = paged_decode_cpu(q, case.k_cache, case.v_cache, case.block_tables, case.seq_lens,
+                                       case.scale)
                 errors.append(float((out - case.expected).abs().max()))
     fused_ulps = []  # the fused operators against the torch code, in 16-bit: ulps apart at most
     torch.manual_seed(0)
@@ -172,7 +178,8 @@ _OTHER_ISA = textwrap.dedent("""
         gate, up = (torch.randn(7, 200) * 4).to(dtype).split(100, dim=-1)
         out = ops.silu_and_mul(gate, up)
         fused_ulps.append(int(ulps(out, F.silu(gate) * up).max()))
-        q, k = torch.randn(5, 9, 72).to(dtype), torch.randn(5, 3, 72).to(dtype)  # half = 36: vectors and a tail
+        # half = 36: vectors and a tail
+        q, k = torch.randn(5, 9, 72).to(dtype), torch.randn(5, 3, 72).to(dtype)
         emb = torch.arange(5)[:, None] * 0.3 ** torch.arange(36)[None, :]
         cos, sin = torch.cat((emb, emb), -1).cos().to(dtype), torch.cat((emb, emb), -1).sin().to(dtype)
         want = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -195,7 +202,8 @@ def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch
 
     script = _OTHER_ISA.format(tests=str(Path(__file__).parent))
     env = {**os.environ, "RADARLAB_CPU_MARCH": march}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env=env)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(result["attention"]) == 18 and max(result["attention"]) < TOL
@@ -212,8 +220,8 @@ def test_the_engine_gives_the_same_tokens_with_and_without_the_kernel(model, pro
     params = SamplingParams(max_tokens=12)
     runs = {}
     for kernel in (True, False):
-        engine = Engine(model, num_blocks=128, block_size=16, kv_cache_dtype="bfloat16" if dtype == torch.bfloat16
-                        else "auto", cpu_ops=kernel)
+        engine = Engine(model, num_blocks=128, block_size=16,
+                        kv_cache_dtype="bfloat16" if dtype == torch.bfloat16 else "auto", cpu_ops=kernel)
         assert engine.cache.cpu_ops is kernel
         runs[kernel] = [o.output_token_ids for o in engine.generate(prompts, params)]
     assert runs[True] == runs[False]

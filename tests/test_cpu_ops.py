@@ -13,6 +13,7 @@ import torch.nn.functional as F
 import radarlab.cpu_ops as cpu_ops_module
 from radarlab.cpu_ops import CpuOpsUnavailable, find_compiler, load_cpu_ops
 from radarlab.models.llama import RMSNorm, apply_rope
+
 from cpu_ops_build import built_or_fail, needs_compiler
 
 pytestmark = needs_compiler
@@ -114,7 +115,8 @@ def test_bad_inputs_raise_and_name_the_problem():
     with pytest.raises(RuntimeError, match="head_dim must be even"):
         ops.rotary_embedding(q[..., :7], q[..., :7], torch.ones(3, 7), torch.ones(3, 7))
     with pytest.raises(RuntimeError, match="q, k, cos and sin must share a dtype"):
-        ops.rotary_embedding(q, q.clone(), torch.ones(3, 8, dtype=torch.bfloat16), torch.ones(3, 8, dtype=torch.bfloat16))
+        ops.rotary_embedding(q, q.clone(), torch.ones(3, 8, dtype=torch.bfloat16),
+                             torch.ones(3, 8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -147,7 +149,8 @@ def test_the_model_with_the_operators_equals_the_model_without(model, dtype):
 def test_use_cpu_ops_true_raises_where_they_cannot_be_built(tiny, monkeypatch):
     import radarlab.models.llama as llama
 
-    monkeypatch.setattr(llama, "load_cpu_ops", lambda: (_ for _ in ()).throw(CpuOpsUnavailable("no compiler")))
+    monkeypatch.setattr(llama, "load_cpu_ops",
+                        lambda: (_ for _ in ()).throw(CpuOpsUnavailable("no compiler")))
     tiny.use_cpu_ops = True
     try:
         with torch.no_grad(), pytest.raises(CpuOpsUnavailable, match="no compiler"):
@@ -172,7 +175,8 @@ def test_a_forward_hook_sees_the_tensors_of_the_torch_code(model):
     hooks = [model.layers[0].self_attn.k_proj.register_forward_hook(lambda m, a, out: seen_k.append(out))]
     try:
         our_logits(model, ids)
-        hooks.append(model.layers[0].register_forward_hook(lambda m, a, out: seen_layer.extend([out, out.clone()])))
+        hooks.append(model.layers[0].register_forward_hook(lambda m, a,
+                                                           out: seen_layer.extend([out, out.clone()])))
         with torch.no_grad():
             assert model.cpu_ops(torch.zeros(1)) is None  # a layer hook: the torch code
         our_logits(model, ids)

@@ -8,12 +8,10 @@ import json
 import pytest
 import torch
 
-from radarlab.attention.metadata import AttentionMetadata
-from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.models.generate import greedy_generate
+from radarlab.spec_decode.draft_head import TRAINED_HEAD, DraftHead, draft_config, load_head, save_head
 from radarlab.train.draft_data import causal_batch, target_features_batch
 from radarlab.train.draft_eval import HeadDrafter, ngram_lookup, speculative_generate
-from radarlab.spec_decode.draft_head import TRAINED_HEAD, DraftHead, draft_config, load_head, save_head
 from radarlab.train.token_table import TokenTable
 from radarlab.train.train_draft import draft_vocabulary, train, unroll_mask, unrolled_forward
 
@@ -21,7 +19,8 @@ WEIGHTS = TRAINED_HEAD  # committed: a test that needs it fails, never skips, wh
 
 
 def tiny_hf_config(cfg) -> dict:
-    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
+    return {"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+            "num_attention_heads": cfg.num_heads,
             "num_key_value_heads": cfg.num_kv_heads, "model_type": "llama"}
 
 
@@ -129,7 +128,8 @@ def test_token_table_backs_off_to_shorter_contexts():
     assert t.next_token([9, 2, 3]) == 5
     assert t.next_token([8, 8, 3]) in (4, 5)  # backs off to "3": 4 and 5 tie twice each
     assert t.next_token([8, 8, 15]) is None  # never seen
-    assert t.propose([9, 2, 3], 2) == [5, 7]  # "2 3 5" was followed by 9 and by 7 once each: ties go to the smaller id
+    # "2 3 5" was followed by 9 and by 7 once each: ties go to the smaller id
+    assert t.propose([9, 2, 3], 2) == [5, 7]
     with pytest.raises(ValueError, match="max_context"):
         TokenTable.build(rows, 16, max_context=4)
 

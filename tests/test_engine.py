@@ -25,10 +25,12 @@ def workload(tiny):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 8, 12])
-@pytest.mark.parametrize("num_blocks, budget", [(128, 512), (128, 16), (20, 24)])  # roomy, chunked, preempting
+# roomy, chunked, preempting
+@pytest.mark.parametrize("num_blocks, budget", [(128, 512), (128, 16), (20, 24)])
 def test_greedy_equals_reference(tiny, workload, batch, num_blocks, budget):
     prompts, ref = workload
-    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget)
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch,
+                    max_num_batched_tokens=budget)
     outs = engine.generate(prompts, SamplingParams(max_tokens=10))
     assert [o.output_token_ids for o in outs] == ref
     assert all(o.status is RequestStatus.FINISHED_LENGTH for o in outs)
@@ -175,7 +177,8 @@ def test_parallel_samples_share_the_prompt_blocks_and_copy_on_write(tiny):
     assert engine.manager.num_free_blocks == 32 - 3  # 3 samples, still one copy of the prompt
     engine.step()  # first decode: each sample writes into the shared partial block
     pairs = engine.last_scheduled.copy_pairs
-    assert len(pairs) == 2 and len({src for src, _ in pairs}) == 1  # two copies of it; the last owner keeps it
+    # two copies of it; the last owner keeps it
+    assert len(pairs) == 2 and len({src for src, _ in pairs}) == 1
     assert engine.manager.num_free_blocks == 32 - 5
 
 
@@ -189,7 +192,8 @@ def test_abort_stops_every_sample(tiny):
 
 
 def test_a_pool_that_cannot_hold_max_model_len_is_refused(tiny):
-    with pytest.raises(ValueError, match=r"max_model_len=25 does not fit the KV cache: its 6 blocks of 4 hold 24 tokens"):
+    refused = r"max_model_len=25 does not fit the KV cache: its 6 blocks of 4 hold 24 tokens"
+    with pytest.raises(ValueError, match=refused):
         Engine(tiny, num_blocks=6, block_size=4, max_model_len=25)
     assert Engine(tiny, num_blocks=6, block_size=4, max_model_len=24).max_model_len == 24
 
@@ -203,7 +207,7 @@ def test_oversize_prompts_fail_alone(tiny, workload):
     assert [outs[0].output_token_ids, outs[2].output_token_ids] == [ref[0], ref[1]]
     short = random_prompts(2, lo=3, hi=8, seed=9)
     short_ref = greedy_generate(tiny, short, 10)
-    small = Engine(tiny, num_blocks=6, block_size=4)  # 24 slots: max_model_len 24, a 25-token prompt never fits
+    small = Engine(tiny, num_blocks=6, block_size=4)  # 24 slots: max_model_len 24, so 25 tokens never fit
     assert small.max_model_len == 24
     outs = small.generate([short[0], list(range(25)), short[1]], SamplingParams(max_tokens=10))
     assert outs[1].status is RequestStatus.FINISHED_ERROR and "max_model_len=24" in outs[1].error
@@ -237,7 +241,8 @@ def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
     while to_add or engine.has_unfinished_requests():
         for _ in range(rng.randint(0, 6)):
             if to_add:
-                n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])  # some can never run
+                # some can never run
+                n = rng.choice([rng.randint(1, 12), rng.randint(1, 12), rng.randint(60, 140)])
                 params = SamplingParams(temperature=rng.choice([0.0, 1.0]), max_tokens=rng.randint(1, 8),
                                         seed=rng.randrange(1000), n=rng.choice([1, 1, 1, 2, 3]))
                 live.add(engine.add_request([rng.randrange(VOCAB) for _ in range(n)], params))

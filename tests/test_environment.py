@@ -84,7 +84,8 @@ def read_simple_yaml(text: str):
     def parse_list(indent: int):
         nonlocal pos
         out = []
-        while pos < len(lines) and lines[pos][0] == indent and (lines[pos][1].startswith("- ") or lines[pos][1] == "-"):
+        while pos < len(lines) and lines[pos][0] == indent and (lines[pos][1].startswith("- ")
+                                                                or lines[pos][1] == "-"):
             item = lines[pos][1][1:].strip()
             pos += 1
             key, sep, rest = item.partition(":")
@@ -184,7 +185,8 @@ def test_pip_section_mirrors_pyproject(pyproject, environment):
 def test_every_pin_is_exact(pyproject):
     """Pins are what make the course reproducible; a range in either file would let them drift."""
     project = pyproject["project"]
-    loose = [r for r in [*project["dependencies"], *project["optional-dependencies"]["test"]] if "==" not in r]
+    loose = [r for r in [*project["dependencies"],
+                         *project["optional-dependencies"]["test"]] if "==" not in r]
     assert not loose, f"unpinned dependencies in pyproject.toml: {loose}"
 
 
@@ -198,5 +200,6 @@ def test_conda_level_is_only_python_and_pip(pyproject, environment):
     python = next(c for c in conda if c.startswith("python"))
     version = tuple(int(x) for x in re.findall(r"\d+", python)[:2])
     floor = tuple(int(x) for x in re.findall(r"\d+", pyproject["project"]["requires-python"])[:2])
-    assert version >= floor, f"environment.yml's {python} is older than requires-python {pyproject['project']['requires-python']}"
+    assert version >= floor, (f"environment.yml's {python} is older than requires-python "
+                              f"{pyproject['project']['requires-python']}")
     assert environment["name"] == "radarlab"

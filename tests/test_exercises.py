@@ -6,7 +6,6 @@ copy test goes through `make exercises`, which runs the generator in its own ven
 from __future__ import annotations
 
 import ast
-
 import importlib.util
 import json
 import re
@@ -42,7 +41,8 @@ def _demo_notebook():
     intro = nbformat.v4.new_markdown_cell("## Exercise: double\nWrite `double(x)`.")
     exercise = nbformat.v4.new_code_cell(EXERCISE_SOURCE, execution_count=3)
     exercise.outputs = [nbformat.v4.new_output("stream", name="stdout", text="kept after the markers\n")]
-    check = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nradarlab.checks.check_double(double)", execution_count=4)
+    check = nbformat.v4.new_code_cell("# NBVAL_CHECK_OUTPUT\nradarlab.checks.check_double(double)",
+                                      execution_count=4)
     check.outputs = [nbformat.v4.new_output("execute_result", data={"text/plain": "True"}, execution_count=4)]
     check.metadata["execution"] = {"iopub.execute_input": "2026-11-30T18:00:00.000000Z",
                                    "shell.execute_reply": "2026-11-30T18:00:01.000000Z"}
@@ -109,7 +109,8 @@ def test_nbgrader_is_not_in_the_learners_environment():
     labext = [p for d in jupyter_path("labextensions") for p in Path(d).glob("*nbgrader*")]
     labext += [p for d in jupyter_path("labextensions") for p in Path(d).glob("@*/*nbgrader*")]
     assert not labext, f"nbgrader lab extensions are installed: {labext}"
-    server_conf = [p for d in jupyter_config_path() for p in Path(d).glob("jupyter_server_config.d/*nbgrader*")]
+    server_conf = [p for d in jupyter_config_path()
+                   for p in Path(d).glob("jupyter_server_config.d/*nbgrader*")]
     assert not server_conf, f"nbgrader server extension is configured: {server_conf}"
 
 
@@ -175,7 +176,8 @@ def test_checkers_are_compared_by_nbval_and_pass_with_the_solution(path):
 
 def _names_used(source: str) -> set[str]:
     source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
-    return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return {n.id for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Name) and isinstance(n.ctx,
+                                                                                                ast.Load)}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -192,8 +194,8 @@ def test_a_skipped_exercise_never_breaks_later_cells(path):
         later = set().union(*(_names_used(_text(c)) for c in cells[index + 1:] if c["cell_type"] == "code"))
         for name in sorted(defined & later):
             assert f"{name} = learner_or_reference(" in _text(cells[index]), (
-                f"{path.name}: cell {start}'s {name} is used after its checker, but the checker cell does not "
-                f"fall back to a reference (`{name} = learner_or_reference(...)`)")
+                f"{path.name}: cell {start}'s {name} is used after its checker, but "
+                f"the checker cell does not fall back to a reference (`{name} = learner_or_reference(...)`)")
 
 
 def test_learner_or_reference_falls_back_and_says_so(capsys):
@@ -205,7 +207,8 @@ def test_learner_or_reference_falls_back_and_says_so(capsys):
 
     assert learner_or_reference("cdiv", mine, True, cdiv) is mine and capsys.readouterr().out == ""
     assert learner_or_reference("cdiv", mine, False, cdiv) is cdiv
-    assert capsys.readouterr().out == "the cells below use radarlab's radarlab.util.cdiv in place of your cdiv\n"
+    assert capsys.readouterr().out == ("the cells below use radarlab's radarlab.util.cdiv "
+                                       "in place of your cdiv\n")
 
 
 @pytest.mark.parametrize("name", ["00_welcome", "01_memory_wall"])
@@ -225,4 +228,5 @@ def test_makefile_installs_the_pinned_nbgrader():
     makefile = (ROOT / "Makefile").read_text()
     pinned = re.search(r"^NBGRADER_PKG\s*:?=\s*(\S+)", makefile, re.M)
     assert pinned, "the Makefile should pin nbgrader in NBGRADER_PKG"
-    assert pinned.group(1) in extra, f"Makefile pins {pinned.group(1)}, pyproject's maintainer extra has {extra}"
+    assert pinned.group(1) in extra, (f"Makefile pins {pinned.group(1)}, pyproject's maintainer extra "
+                                      f"has {extra}")

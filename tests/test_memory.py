@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
+from hypothesis import given, strategies as st
 
 from radarlab.kvcache import memory
 from radarlab.kvcache.memory import (
@@ -67,7 +66,8 @@ def test_int4_savings_match_environment_notes():
     assert round(saving[64], 3) == 0.719
 
 
-@given(layers=st.integers(1, 200), kv_heads=st.integers(1, 64), head_dim=st.sampled_from([32, 64, 96, 128, 256]),
+@given(layers=st.integers(1, 200), kv_heads=st.integers(1, 64),
+       head_dim=st.sampled_from([32, 64, 96, 128, 256]),
        tokens=st.integers(1, 200_000), g=st.sampled_from([16, 32]))
 def test_formats_scale_as_their_bytes(layers, kv_heads, head_dim, tokens, g):
     fp16 = kv_footprint(layers, kv_heads, head_dim, tokens, "fp16").bytes_per_stream
@@ -123,11 +123,13 @@ def test_group_size_must_divide_head_dim():
 
 
 def test_unknown_dtype():
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16, .*fp8_e5m2.*int4, kivi"):
+    with pytest.raises(ValueError,
+                       match="kv_cache_dtype must be one of auto, float16, .*fp8_e5m2.*int4, kivi"):
         kv_footprint(**ARTICLE, kv_dtype="fp4")
 
 
-@pytest.mark.parametrize("gpu, weights, field", [(0, 0, "gpu_mem_gb"), (-48, 0, "gpu_mem_gb"), (48, -1, "weights_gb")])
+@pytest.mark.parametrize("gpu, weights, field",
+                         [(0, 0, "gpu_mem_gb"), (-48, 0, "gpu_mem_gb"), (48, -1, "weights_gb")])
 def test_bad_memory_names_the_field(gpu, weights, field):
     with pytest.raises(ValueError, match=field):
         max_concurrent_streams(gpu, weights, 1.0)
@@ -147,8 +149,9 @@ def test_shape_from_hf_config_reads_the_fields():
 
 
 def test_shape_from_course_model_config():
-    from radarlab.models.loader import course_model_dir
     from transformers import AutoConfig
+
+    from radarlab.models.loader import course_model_dir
 
     try:
         path = course_model_dir(convert=False)
@@ -179,7 +182,8 @@ def test_cli_as_a_module_prints_json():
 def test_cli_json_reproduces_the_article(capsys):
     for dtype, key, shown in [("fp16", "gb_per_stream", "10.74"), ("fp8", "gb_per_stream", "5.37"),
                               ("int4", "payload_gb_per_stream", "2.68")]:
-        code, stdout, stderr = _cli("--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--tokens", "32768",
+        code, stdout, stderr = _cli("--layers", "80", "--kv-heads", "8", "--head-dim", "128", "--tokens",
+                                    "32768",
                                     "--kv-dtype", dtype, "--gpu-mem-gb", "48", "--weights-gb", "0", "--json",
                                     capsys=capsys)
         assert code == 0, stderr
@@ -240,13 +244,15 @@ def test_every_format_of_the_table_is_counted_with_its_overhead():
     plain = kv_footprint(30, 3, 64, 1000, "kivi_g32")
     window = kv_footprint(30, 3, 64, 1000, "kivi_g32_r128")
     assert window.bytes_per_token == plain.bytes_per_token
-    assert window.bytes_per_stream - plain.bytes_per_stream == 128 * (30 * 3 * 64 * 2 * 2 - plain.bytes_per_token)
+    assert (window.bytes_per_stream - plain.bytes_per_stream
+            == 128 * (30 * 3 * 64 * 2 * 2 - plain.bytes_per_token))
     short = kv_footprint(30, 3, 64, 10, "kivi_g32_r128")  # a stream shorter than the window is all 16-bit
     assert short.bytes_per_stream == 10 * 30 * 3 * 64 * 2 * 2
 
 
 def test_cli_takes_any_format_name(capsys):
-    code, stdout, _ = _cli("--model", "smollm2-135m", "--kv-dtype", "int4_g32_sym", "--tokens", "1", capsys=capsys)
+    code, stdout, _ = _cli("--model", "smollm2-135m", "--kv-dtype", "int4_g32_sym", "--tokens", "1",
+                           capsys=capsys)
     assert code == 0 and "bytes per token:  5,760 payload + 720 scales/zero points = 6,480" in stdout
     code, _, stderr = _cli("--kv-dtype", "fp4", capsys=capsys)
     assert code == 2 and "--kv-dtype must be one of auto" in stderr

@@ -146,7 +146,8 @@ def test_cli_help_lists_the_stored_names():
 def test_cli_unknown_hub_id_offline():
     """The real command with the hub switched off: exit status 2, a message, no traceback."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = subprocess.run([sys.executable, "-m", "radarlab.kvcache.memory", "--model", "no-such-org/no-such-model"],
+    run = subprocess.run([sys.executable, "-m", "radarlab.kvcache.memory", "--model",
+                          "no-such-org/no-such-model"],
                          capture_output=True, text=True, env=env)
     assert run.returncode == 2
     assert "--model 'no-such-org/no-such-model'" in run.stderr and "Traceback" not in run.stderr

@@ -14,16 +14,22 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from radarlab.util import cdiv
+from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.attention.torch_paged import (
-    combine_partitions_torch, paged_attention_torch, paged_decode_torch, split_kv_decode_torch,
+    combine_partitions_torch,
+    paged_attention_torch,
+    paged_decode_torch,
+    split_kv_decode_torch,
     split_kv_partials_torch,
 )
-from radarlab.attention.reference import attention_reference, attention_settled
 from radarlab.attention.triton_paged import (
-    triton_paged_attention, triton_paged_decode, triton_paged_decode_split, triton_paged_prefill,
+    triton_paged_attention,
+    triton_paged_decode,
+    triton_paged_decode_split,
+    triton_paged_prefill,
 )
 from radarlab.device import default_device
+from radarlab.util import cdiv
 
 TOL = 1e-5  # fp32
 
@@ -161,18 +167,21 @@ def test_torch_split_kv_equals_unsplit_decode(block_size, partition_size, heads,
        group=st.sampled_from([1, 2, 3]))
 def test_torch_split_kv_random_lengths(data, block_size, partition_blocks, group):
     seq_lens = data.draw(st.lists(st.integers(1, 60), min_size=1, max_size=4))
-    case = make_case(seq_lens, [1] * len(seq_lens), block_size, 2 * group, 2, 8, seed=data.draw(st.integers(0, 99)))
+    case = make_case(seq_lens, [1] * len(seq_lens), block_size, 2 * group, 2, 8,
+                     seed=data.draw(st.integers(0, 99)))
     out = split_kv_decode_torch(*case.args(), case.scale, partition_size=block_size * partition_blocks)
     assert max_error(out, case.expected) < TOL
 
 
-@pytest.mark.parametrize("block_size, partition_size, tile_n", [(4, 8, 32), (4, 16, 4), (16, 16, 8), (16, 32, 64)])
+@pytest.mark.parametrize("block_size, partition_size, tile_n",
+                         [(4, 8, 32), (4, 16, 4), (16, 16, 8), (16, 32, 64)])
 @pytest.mark.parametrize("heads", HEADS)
 def test_triton_split_kv_matches_both_references(block_size, partition_size, tile_n, heads, device):
     """Against attention_reference and against split_kv_decode_torch; tiles smaller than a partition
     (several per partition) and larger (clipped to it)."""
     lens = split_lens(block_size, partition_size)
-    case = make_case(lens, [1] * len(lens), block_size, *heads, seed=block_size + partition_size, device=device)
+    case = make_case(lens, [1] * len(lens), block_size, *heads, seed=block_size + partition_size,
+                     device=device)
     out = triton_paged_decode_split(*case.args(), case.scale, partition_size=partition_size, tile_n=tile_n)
     assert max_error(out, case.expected) < TOL
     split = split_kv_decode_torch(*case.args(), case.scale, partition_size=partition_size)

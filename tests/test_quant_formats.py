@@ -26,7 +26,8 @@ def test_names_and_bits_per_value_for_head_dim_64(name, canonical, bits):
 
 
 def test_bytes_are_exact_and_split_into_payload_and_overhead():
-    assert kv_format("int4_g128").bytes_per_token_head(128) == (Fraction(128), Fraction(8))  # K+V: 2x64 B + 2x4 B
+    # K+V: 2x64 B + 2x4 B
+    assert kv_format("int4_g128").bytes_per_token_head(128) == (Fraction(128), Fraction(8))
     assert kv_format("fp8").bytes_per_token_head(64) == (Fraction(128), Fraction(0))
     assert kv_format("fp8_per_token_head").bytes_per_token_head(64) == (Fraction(128), Fraction(4))
     assert kv_format("kivi_g32").bytes_per_token_head(64) == (Fraction(64), Fraction(16))

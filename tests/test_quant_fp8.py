@@ -112,7 +112,8 @@ def _kv(t=5, h=3, d=8, seed=0):
 def test_quantize_with_each_scale_rule_round_trips_within_half_a_step(fmt):
     x = _kv()
     rel = 2.0 ** -(4 if fmt == "e4m3" else 3)  # half a mantissa step (3 or 2 bits), relative
-    for scale in (fp8.calibrated_scale(x, fmt), fp8.calibrated_scale(x, fmt, "head"), fp8.dynamic_scale(x, fmt)):
+    for scale in (fp8.calibrated_scale(x, fmt), fp8.calibrated_scale(x, fmt, "head"),
+                  fp8.dynamic_scale(x, fmt)):
         back = fp8.dequantize(fp8.quantize(x, scale, fmt), scale, fmt)
         assert bool(((back - x).abs() <= rel * x.abs() + 1e-6).all())
     # per token and head, every vector reaches the top of the range

@@ -39,7 +39,9 @@ def test_round_trip_error_is_at_most_half_a_step(symmetric, scale_dtype, g):
     amax = x.reshape(7, 3, 64 // g, g).abs().amax(-1)
     if symmetric:
         ratio = int4.load_meta(scales, scale_dtype) / (amax / 7)
-        assert bool((ratio >= 0.999).all())  # fp8 rounds the scale up by at most one step, 1/8 and bool((ratio <= (1.125 if scale_dtype == "fp8" else 1.001)).all())
+        # fp8 rounds the scale up by at most one step, 1/8 and bool((ratio <= (1.125 if scale_dtype == "fp8"
+        # else 1.001)).all())
+        assert bool((ratio >= 0.999).all())
 
 
 def test_asymmetric_beats_symmetric_on_a_lopsided_group():

@@ -5,12 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.quant import kivi
 from radarlab.util import cdiv
+
+from cache_steps import seeded, step_metadata
 
 H, D, BLOCK = 2, 16, 8
 
@@ -40,7 +41,8 @@ def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual
     start = 9
     out = attention_forward(cache, 0, q[:start], k[:start], v[:start], _meta([start], [start], [table]), 0.25)
     for t in range(start):  # each query of the prefill sees what it would have seen decoding
-        assert torch.allclose(out[t], _expected(q[:t + 1], k[:t + 1], v[:t + 1], group, residual)[-1], atol=1e-4), t
+        assert torch.allclose(out[t], _expected(q[:t + 1], k[:t + 1], v[:t + 1], group, residual)[-1],
+                              atol=1e-4), t
     for n in range(start + 1, T + 1):
         out = attention_forward(cache, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
         assert torch.allclose(out, _expected(q[:n], k[:n], v[:n], group, residual)[-1:], atol=1e-4), n
@@ -50,7 +52,8 @@ def test_prefill_then_decode_equals_kivi_over_the_whole_sequence(group, residual
     assert float((out - plain).abs().max()) > 1e-3  # and the quantized groups did change the output
 
 
-@pytest.mark.parametrize("name", ["kivi_g4", "kivi_g4_r4", "kivi_g8_sink1", "kivi_g4_fp8scales_int8zeros_sink1"])
+@pytest.mark.parametrize("name",
+                         ["kivi_g4", "kivi_g4_r4", "kivi_g8_sink1", "kivi_g4_fp8scales_int8zeros_sink1"])
 def test_a_prefill_equals_decoding_its_tokens_one_by_one(name):
     """Perplexity measured in one prefill must be the perplexity of generation: every query reads the
     quantized codes of a key group only if the group was complete when that query was the newest token."""
@@ -60,7 +63,8 @@ def test_a_prefill_equals_decoding_its_tokens_one_by_one(name):
     whole = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
     prefill = attention_forward(whole, 0, q, k, v, _meta([21], [21], [table]), 0.25)
     one_by_one = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype=name)
-    decoded = torch.cat([attention_forward(one_by_one, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n], _meta([1], [n], [table]), 0.25)
+    decoded = torch.cat([attention_forward(one_by_one, 0, q[n - 1:n], k[n - 1:n], v[n - 1:n],
+                                           _meta([1], [n], [table]), 0.25)
                          for n in range(1, 22)])
     assert torch.allclose(prefill, decoded, atol=1e-5)
     for a, b in zip(whole.kivi.block_tensors(), one_by_one.kivi.block_tensors()):  # the same codes and scales
@@ -82,7 +86,8 @@ def test_two_sequences_copy_on_write_and_bytes():
     kb, vb = torch.cat((k[:6], k[7:8])), torch.cat((v[:6], v[7:8]))
     meta = build_metadata(cache, _meta([1, 1], [7, 7], [[2], [4]]))
     for layer in range(2):
-        out = attention_forward(cache, layer, q[6:8], torch.cat((k[6:7], k[7:8])), torch.cat((v[6:7], v[7:8])), meta, 0.25)
+        out = attention_forward(cache, layer, q[6:8], torch.cat((k[6:7], k[7:8])),
+                                torch.cat((v[6:7], v[7:8])), meta, 0.25)
     assert torch.allclose(out[:1], _expected(torch.cat((q[:6], q[6:7])), ka, va, 4, 4)[-1:], atol=1e-4)
     assert torch.allclose(out[1:], _expected(torch.cat((q[:6], q[7:8])), kb, vb, 4, 4)[-1:], atol=1e-4)
     blocks_only = cache.nbytes - cache.kivi.k_tail.nbytes - cache.kivi.v_tail.nbytes
@@ -92,9 +97,11 @@ def test_two_sequences_copy_on_write_and_bytes():
 def test_tails_run_out_then_an_untouched_group_is_quantized_early():
     cache = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", num_tail_groups=1)
     k, v, q = _x(6, H, D, seed=7), _x(6, H, D, seed=8), _x(6, 4, D, seed=9)
-    attention_forward(cache, 0, q[:3], k[:3], v[:3], _meta([3], [3], [[1]]), 0.25)  # partial group: the only tail
+    # partial group: the only tail
+    attention_forward(cache, 0, q[:3], k[:3], v[:3], _meta([3], [3], [[1]]), 0.25)
     assert cache.kivi.num_free_tails == 0
-    attention_forward(cache, 0, q[3:6], k[3:6], v[3:6], _meta([3], [3], [[5]]), 0.25)  # another sequence needs one
+    # another sequence needs one
+    attention_forward(cache, 0, q[3:6], k[3:6], v[3:6], _meta([3], [3], [[5]]), 0.25)
     assert int(cache.kivi.tail_of[1, 0]) == -1 and int(cache.kivi.tail_of[5, 0]) >= 0
     # sequence 1's three tokens were quantized on their own, not lost: within a 4-bit step of the truth
     k_pool, _ = cache.layer_pools(0)
@@ -117,15 +124,16 @@ def test_bad_kivi_settings():
 
 def test_greedy_and_engine_run_kivi():
     from radarlab.engine.llm_engine import Engine
-    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
     from radarlab.models.paged_runner import paged_greedy_generate
+    from radarlab.sample.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     model = Llama(cfg).eval()
-    out = paged_greedy_generate(model, [list(range(1, 12)), [3, 4]], 6, block_size=4, kv_cache_dtype="kivi_g4_r4")
+    out = paged_greedy_generate(model, [list(range(1, 12)), [3, 4]], 6, block_size=4,
+                                kv_cache_dtype="kivi_g4_r4")
     assert [len(o) for o in out] == [6, 6]
     engine = Engine(model, 30, block_size=4, kv_cache_dtype="kivi_g4_r4")
     outs = engine.generate([list(range(1, 12)), [3, 4], [5, 6, 7]], SamplingParams(max_tokens=5))
@@ -137,8 +145,8 @@ def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
     """The whole engine (prefills, decodes, three requests in a batch) with KIVI read by the Triton
     kernels: the same tokens as the torch path."""
     from radarlab.engine.llm_engine import Engine
-    from radarlab.sample.sampling_params import SamplingParams
     from radarlab.models.llama import Llama, LlamaConfig
+    from radarlab.sample.sampling_params import SamplingParams
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,

@@ -5,17 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
-from radarlab.attention.reference import attention_reference
-from radarlab.attention.torch_paged import paged_attention_torch, paged_decode_torch
 from radarlab.attention.kv_write import reshape_and_cache
+from radarlab.attention.reference import attention_reference
+from radarlab.attention.torch_paged import paged_decode_torch
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.quant import fp8
 from radarlab.quant.formats import kv_format
 from radarlab.quant.kv_codec import QuantizedPool, decode_kv, encode_kv
 from radarlab.quant.rotation import rotate, rotation_matrix
+
+from cache_steps import step_metadata
 
 FORMATS = ["fp8", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_per_token_head", "int4_g32_sym", "int4_g64",
            "int4_g16_asym_fp8scales", "int4_g64_sym_hadamard", "fp8_orthogonal"]
@@ -47,7 +48,8 @@ def test_prefill_then_decode_equals_attention_over_the_decoded_kv(name):
     table = [5, 2, 7]
     out = attention_forward(cache, 1, q[:10], k[:10], v[:10], _step([10], [10], [table]), 0.125)
     assert torch.allclose(out, _expected(name, q[:10], k[:10], v[:10]), atol=1e-5)
-    out = attention_forward(cache, 1, q[10:], k[10:], v[10:], _step([1], [11], [table]), 0.125)  # decode reads the same blocks
+    # decode reads the same blocks
+    out = attention_forward(cache, 1, q[10:], k[10:], v[10:], _step([1], [11], [table]), 0.125)
     assert torch.allclose(out, _expected(name, q, k, v)[10:], atol=1e-5)
     plain = attention_reference(q, k, v, 0.125)
     err = float((out - plain[10:]).abs().max())
@@ -79,7 +81,8 @@ def test_copy_blocks_copies_codes_and_scales(name):
         assert torch.equal(kp[torch.tensor([4])], kp[torch.tensor([1])])
         assert torch.equal(vp[torch.tensor([4])], vp[torch.tensor([1])])
         fmt = kv_format(name)
-        assert torch.equal(kp[torch.tensor([4])][0], decode_kv(*encode_kv(k, fmt), fmt))  # the scales came too
+        # the scales came too
+        assert torch.equal(kp[torch.tensor([4])][0], decode_kv(*encode_kv(k, fmt), fmt))
 
 
 def test_vllm_form_of_reshape_and_cache_with_k_scale():
@@ -132,9 +135,12 @@ def test_prefill_chunks_and_mixed_batches_read_blocks_in_place():
     write_kv(cache, 0, kb[:5], vb[:5], _step([5], [5], [tb]).slot_mapping)
     meta = _step([3, 1], [9, 6], [ta, tb])
     q = _x(4, 4, D, seed=14)
-    out = attention_forward(cache, 0, q, torch.cat((ka[6:9], kb[5:6])), torch.cat((va[6:9], vb[5:6])), meta, 0.125)
-    assert torch.allclose(out[:3], _expected(name, torch.cat((_x(6, 4, D, seed=0), q[:3])), ka, va)[6:], atol=1e-5)
-    assert torch.allclose(out[3:], _expected(name, torch.cat((_x(5, 4, D, seed=0), q[3:])), kb[:6], vb[:6])[5:],
+    out = attention_forward(cache, 0, q, torch.cat((ka[6:9], kb[5:6])), torch.cat((va[6:9], vb[5:6])), meta,
+                            0.125)
+    assert torch.allclose(out[:3], _expected(name, torch.cat((_x(6, 4, D, seed=0), q[:3])), ka, va)[6:],
+                          atol=1e-5)
+    assert torch.allclose(out[3:],
+                          _expected(name, torch.cat((_x(5, 4, D, seed=0), q[3:])), kb[:6], vb[:6])[5:],
                           atol=1e-5)
 
 

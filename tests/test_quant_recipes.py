@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.kivi_store import default_tail_groups, tail_bytes
@@ -14,6 +13,8 @@ from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES
 from radarlab.quant import fp8, int4, kivi
 from radarlab.quant.formats import kv_format
+
+from cache_steps import seeded, step_metadata
 
 H, HQ, D, BLOCK = 2, 4, 16, 8
 SCALE = D ** -0.5
@@ -35,17 +36,21 @@ def _attend(name, q, k, v, backend="torch", table=(3, 0, 5)):
 # --- the table -----------------------------------------------------------------------------------
 def test_names_and_bits():
     f = kv_format("kivi_g32_int8zeros_fp8scales_sink1")
-    assert (f.name, f.int8_zeros, f.scale_dtype, f.sink) == ("kivi_g32_fp8scales_int8zeros_sink1", True, "fp8", 1)
+    assert (f.name, f.int8_zeros, f.scale_dtype, f.sink) == ("kivi_g32_fp8scales_int8zeros_sink1", True,
+                                                             "fp8", 1)
     assert f.bits_per_value(64) == 4.5  # 4 + (1 E4M3 scale + 1 int8 zero) * 8 / 32
-    assert kv_format("int4_g32_asym_int8zeros").bits_per_value(64) == 4 + (2 + 1) * 8 / 32  # fp16 scale, int8 zero
+    # fp16 scale, int8 zero
+    assert kv_format("int4_g32_asym_int8zeros").bits_per_value(64) == 4 + (2 + 1) * 8 / 32
     g = kv_format("fp8_vrot_hadamard")
-    assert (g.name, g.rotation, g.rotate_values, g.bits_per_value(64)) == ("fp8_e4m3_hadamard_vrot", "hadamard", True, 8)
+    assert (g.name, g.rotation, g.rotate_values, g.bits_per_value(64)) == ("fp8_e4m3_hadamard_vrot",
+                                                                           "hadamard", True, 8)
     assert kv_format("fp32_hadamard_vrot").is_quantized is False  # the exact reference of a rotated format
 
 
 @pytest.mark.parametrize("name, words", [("fp8_vrot", "add hadamard or orthogonal"),
                                          ("int4_g32_sym_int8zeros", "needs asym"),
-                                         ("kivi_sink0", "sink<positive int>"), ("kivi_sinkx", "sink<positive int>"),
+                                         ("kivi_sink0", "sink<positive int>"),
+                                         ("kivi_sinkx", "sink<positive int>"),
                                          ("fp16_sink1", "unknown option 'sink1'"),
                                          ("fp8_e4m3_int8zeros", "unknown option 'int8zeros'")])
 def test_bad_names_raise(name, words):
@@ -62,7 +67,8 @@ def test_sink_bytes_are_per_stream_and_come_out_of_the_budget():
         assert with_sink.bytes_per_token == without.bytes_per_token == 30 * 3 * 2 * 64 * 4.5 / 8
         assert with_sink.bytes_per_stream - without.bytes_per_stream == sink  # once, not per token
     per_block = PagedKVCache.bytes_per_block(30, 3, 64, 32, name)
-    tails = tail_bytes(kv_format(name), 30, 3, 64, default_tail_groups(kv_format(name), 4))  # 4 open key groups
+    # 4 open key groups
+    tails = tail_bytes(kv_format(name), 30, 3, 64, default_tail_groups(kv_format(name), 4))
     budget = 100 * per_block + tails + 4 * sink
     assert num_blocks_for_budget(budget, 30, 3, 64, 32, name, max_num_seqs=4) == 100
     assert num_blocks_for_budget(budget - 1, 30, 3, 64, 32, name, max_num_seqs=4) == 99
@@ -70,7 +76,8 @@ def test_sink_bytes_are_per_stream_and_come_out_of_the_budget():
     assert num_blocks_for_budget(budget, 30, 3, 64, 32, "fp8_e4m3_sink1") == (  # 64 sinks by default
         100 * per_block // PagedKVCache.bytes_per_block(30, 3, 64, 32, "fp8_e4m3"))
     cache = PagedKVCache(2, 5, H, D, BLOCK, kv_cache_dtype="fp8_e4m3_sink2", num_sinks=3)
-    assert cache.nbytes == 5 * PagedKVCache.bytes_per_block(2, H, D, BLOCK, "fp8_e4m3") + 3 * 2 * 2 * H * D * 2 * 2
+    assert cache.nbytes == 5 * PagedKVCache.bytes_per_block(2, H, D, BLOCK,
+                                                            "fp8_e4m3") + 3 * 2 * 2 * H * D * 2 * 2
 
 
 # --- int8 zero points ----------------------------------------------------------------------------
@@ -206,7 +213,8 @@ def test_sinks_run_out_then_one_this_step_does_not_read_is_dropped():
     attention_forward(cache, 0, q[2:], k[2:], v[2:], _meta([2], [2], [[3]]), SCALE)
     assert int(cache.sinks.sink_of[1]) == -1 and int(cache.sinks.sink_of[3]) == 0
     with pytest.raises(RuntimeError, match="num_sinks"):
-        attention_forward(cache, 0, q, k, v, _meta([2, 2], [2, 2], [[1], [5]]), SCALE)  # two new sequences, one sink
+        # two new sequences, one sink
+        attention_forward(cache, 0, q, k, v, _meta([2, 2], [2, 2], [[1], [5]]), SCALE)
 
 
 @pytest.mark.parametrize("kwargs, words", [(dict(kv_cache_dtype="fp8_e4m3_sink9"), "block_size"),

@@ -6,19 +6,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cache_steps import seeded, step_metadata
 from radarlab.attention.backends import attention_forward, write_kv
+from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.attention.triton_quant import triton_quant_paged_attention, triton_quant_reshape_and_cache
 from radarlab.device import default_device
-from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.kvcache.paged_cache import PagedKVCache
 
+from cache_steps import seeded, step_metadata
+
 FORMATS = ["fp8", "fp8_e5m2", "fp8_e4m3_rtz", "fp8_per_token_head", "int4_g16_sym", "int4_g8",
-           "int4_g16_asym_fp8scales", "int4_g32_sym_fp8scales", "int4_g8_int8zeros", "int4_g16_fp8scales_int8zeros"]
-CACHE_FORMATS = ["kivi_g4", "kivi_g4_r4", "kivi_g8_sink1", "kivi_g4_fp8scales_int8zeros_sink1", "int4_g8_int8zeros",
-                 "fp8_e4m3_sink2", "int4_g8_sym_sink1"]
+           "int4_g16_asym_fp8scales", "int4_g32_sym_fp8scales", "int4_g8_int8zeros",
+           "int4_g16_fp8scales_int8zeros"]
+CACHE_FORMATS = ["kivi_g4", "kivi_g4_r4", "kivi_g8_sink1", "kivi_g4_fp8scales_int8zeros_sink1",
+                 "int4_g8_int8zeros", "fp8_e4m3_sink2", "int4_g8_sym_sink1"]
 H, D, BLOCK = 2, 32, 4
 DEV = default_device()  # "cpu" (the interpreter) here; scripts/gpu_check.sh runs this file compiled on CUDA
 
@@ -28,7 +30,8 @@ def _x(*shape, seed):
 
 
 def _caches(name, **kw):
-    return [PagedKVCache(1, 8, H, D, block_size=BLOCK, kv_cache_dtype=name, device=DEV, **kw) for _ in range(2)]
+    return [PagedKVCache(1, 8, H, D, block_size=BLOCK, kv_cache_dtype=name, device=DEV,
+                         **kw) for _ in range(2)]
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -65,11 +68,12 @@ def test_attention_equals_torch_over_the_same_pools(name):
 def test_triton_cache_backend_matches_torch_backend():
     outs = []
     for backend in ("torch", "triton"):
-        cache = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype="int4_g16_hadamard", backend=backend,
-                             device=DEV)
+        cache = PagedKVCache(1, 6, H, D, block_size=BLOCK, kv_cache_dtype="int4_g16_hadamard",
+                             backend=backend, device=DEV)
         meta = AttentionMetadata.from_lens([5], [5], slot_mapping=torch.tensor([8, 9, 10, 11, 12]),
                                            block_tables=torch.tensor([[2, 3]])).to(DEV)
-        outs.append(attention_forward(cache, 0, _x(5, 4, D, seed=6), _x(5, H, D, seed=7), _x(5, H, D, seed=8), meta, 0.2))
+        outs.append(attention_forward(cache, 0, _x(5, 4, D, seed=6), _x(5, H, D, seed=7), _x(5, H, D, seed=8),
+                                      meta, 0.2))
     assert torch.allclose(outs[0], outs[1], atol=2e-5)
 
 
@@ -80,7 +84,8 @@ def test_vllm_form_of_triton_reshape_and_cache():
     pools = [torch.zeros(3, BLOCK, H, D, dtype=torch.uint8, device=DEV) for _ in range(4)]
     k, v = _x(5, H, D, seed=9) * 50, _x(5, H, D, seed=10)
     slots = torch.tensor([0, 1, -1, 8, 9], device=DEV)
-    triton_reshape_and_cache(k, v, pools[0], pools[1], slots, kv_cache_dtype="fp8_e5m2", k_scale=2.0, v_scale=0.25)
+    triton_reshape_and_cache(k, v, pools[0], pools[1], slots, kv_cache_dtype="fp8_e5m2", k_scale=2.0,
+                             v_scale=0.25)
     reshape_and_cache(k, v, pools[2], pools[3], slots, "fp8_e5m2", k_scale=2.0, v_scale=0.25)
     assert torch.equal(pools[0], pools[2]) and torch.equal(pools[1], pools[3]) and pools[0].any()
     with pytest.raises(ValueError, match="fp8 scale is per tensor"):
@@ -107,7 +112,8 @@ def _run_steps(name, backend):
     for news in ([13, 5], [1, 6], *[[1, 1]] * 4):
         totals = [d + n for d, n in zip(done, news)]
         rows = torch.cat([torch.arange(d, t) + i * T for i, (d, t) in enumerate(zip(done, totals))]).to(DEV)
-        outs.append(attention_forward(cache, 0, q[rows], k[rows], v[rows], step_metadata(news, totals, tables, block).to(DEV),
+        outs.append(attention_forward(cache, 0, q[rows], k[rows], v[rows],
+                                      step_metadata(news, totals, tables, block).to(DEV),
                                  0.25))
         done = totals
     return torch.cat(outs), cache

@@ -90,13 +90,15 @@ class Reader:
             return []
         self.check(bool(items), path + (key,), "is empty")
         for i, item in enumerate(items):
-            self.check(isinstance(item, dict), path + (key, i), f"must be an object, is {type(item).__name__}")
+            self.check(isinstance(item, dict), path + (key, i),
+                       f"must be an object, is {type(item).__name__}")
         return [(path + (key, i), item) for i, item in enumerate(items)]
 
     def values(self, obj, path: tuple, key: str, types, length: int | None = None) -> list:
         """The list obj[key], each element of one of types (and `length` of them, if given)."""
         items = self.get(obj, path, key, list)
-        self.check(length is None or len(items) == length, path + (key,), f"must hold {length} values, holds {len(items)}")
+        self.check(length is None or len(items) == length, path + (key,),
+                   f"must hold {length} values, holds {len(items)}")
         for i, x in enumerate(items):
             self.check(_is(x, types), path + (key, i), f"must be {_names(types)}, is {type(x).__name__}")
         return items
@@ -136,14 +138,16 @@ def check_throughput(r: Reader, doc: dict, kind: str) -> None:
         cells.add((system, dtype, r.get(row, p, "batch_size", int)))
         r.get(row, p, "tokens_per_s", NUM)
     grid = {(s, d, b) for s in throughput.SYSTEMS for _, d, b in cells}
-    r.check(cells == grid, ("results",), f"lacks {sorted(grid - cells)}: a full run has every system at every "
+    r.check(cells == grid, ("results",),
+            f"lacks {sorted(grid - cells)}: a full run has every system at every "
                                          f"dtype and batch size")
     ratio_cells = set()
     for p, row in r.rows(doc, (), "ratios"):
         ratio_cells.add((r.get(row, p, "dtype", str), r.get(row, p, "batch_size", int)))
         for other in throughput.SYSTEMS[1:]:
             r.get(row, p, f"radarlab_over_{other}", NUM)
-    r.check(ratio_cells == {(d, b) for _, d, b in cells}, ("ratios",), "must have one row per dtype and batch size")
+    r.check(ratio_cells == {(d, b) for _, d, b in cells}, ("ratios",),
+            "must have one row per dtype and batch size")
     for p, row in r.rows(doc, (), "limits", optional=True):
         for key in ("system", "dtype"):
             r.get(row, p, key, str, optional=True)
@@ -245,7 +249,8 @@ def check_quant(r: Reader, doc: dict) -> None:
         r.check(family in ("float", "fp8", "int4", "kivi"), p + ("kv_cache_dtype",),
                 f"is of family {family!r}, which notebook 07's plot has no colour for")
         dtypes.append(dtype)
-        for key in ("bits", "saving", "kv_bytes_per_token_at_len", "saving_at_len", "ppl", "ppl_delta_pct", "attn_err"):
+        for key in ("bits", "saving", "kv_bytes_per_token_at_len", "saving_at_len", "ppl", "ppl_delta_pct",
+                    "attn_err"):
             r.get(row, p, key, NUM)
         r.get(row, p, "kv_bytes_per_token", int)
     r.check("fp32" in dtypes, ("schemes",), "has no fp32 row: the perplexity reference")
@@ -282,7 +287,8 @@ def check_draft_eval(r: Reader, doc: dict) -> None:
     k_max = max(k for _, k in replay)
     for method in notebook_09_methods():
         for k in sorted({1, 4, k_max}):
-            r.check((method, k) in replay, ("results",), f"has no replay row for method {method!r} at k = {k}")
+            r.check((method, k) in replay, ("results",),
+                    f"has no replay row for method {method!r} at k = {k}")
     cost = r.get(doc, (), "cost", dict)
     for key in ("ratio_flops", "ratio_bytes", "ratio_time"):
         r.get(cost, ("cost",), key, NUM)
@@ -453,8 +459,8 @@ def test_the_readers_need_no_key_the_schema_does_not_check(name):
     try:
         run_readers(name, results_dir() / name, prune(doc, kept))
     except (KeyError, TypeError, IndexError) as err:
-        pytest.fail(f"results/{name}: a reader needs what its schema does not check ({type(err).__name__}: {err}); "
-                    f"add it to the schema in tests/test_results.py")
+        pytest.fail(f"results/{name}: a reader needs what its schema does not check "
+                    f"({type(err).__name__}: {err}); add it to the schema in tests/test_results.py")
 
 
 def wrong_value(types):
@@ -483,17 +489,20 @@ def test_each_required_key_missing_or_mistyped_fails_naming_file_and_key(name):
             bad = copy.deepcopy(doc)
             if mutate == "delete":
                 del at(bad, path)[path[-1]]
-                expect = f"{_dotted(path[:-1])} has no key {path[-1]!r}" if len(path) > 1 else f"no key {path[-1]!r}"
+                expect = (f"{_dotted(path[:-1])} has no key {path[-1]!r}" if len(path) > 1
+                          else f"no key {path[-1]!r}")
             else:
                 at(bad, path)[path[-1]] = wrong_value(types)
                 expect = f"{_dotted(path)} must be"
             with pytest.raises(SchemaError) as err:
                 check_file(name, bad)
-            assert f"results/{name}: " in str(err.value) and expect in str(err.value), (mutate, path, str(err.value))
+            assert f"results/{name}: " in str(err.value) and expect in str(err.value), (mutate, path,
+                                                                                        str(err.value))
 
 
 def test_a_file_no_schema_covers_fails():
-    for name in ("throughput.json", "throughput-pentium.json", "spec-draft-avx2.json", "new_result.json", "notes.txt"):
+    for name in ("throughput.json", "throughput-pentium.json", "spec-draft-avx2.json", "new_result.json",
+                 "notes.txt"):
         with pytest.raises(SchemaError, match=re.escape(f"results/{name} has no schema")):
             schema_for(name)
 
@@ -505,7 +514,8 @@ def test_the_retired_avx2_run_fails_its_schema():
     old = copy.deepcopy(doc)
     old["environment"] = {k: v for k, v in doc["environment"].items() if not k.startswith("cpu_")} | {
         "cpu_capability": "AVX2", "cpu_native_bf16": False}
-    with pytest.raises(SchemaError, match=r"results/throughput-avx2.json: environment has no key 'cpu_model'"):
+    with pytest.raises(SchemaError,
+                       match=r"results/throughput-avx2.json: environment has no key 'cpu_model'"):
         check_file("throughput-avx2.json", old)
     old = copy.deepcopy(doc)
     old["results"] = [r for r in doc["results"] if r["system"] != "radarlab_torch"]
@@ -515,7 +525,9 @@ def test_the_retired_avx2_run_fails_its_schema():
 
 def test_a_file_named_for_another_cpu_kind_fails():
     path = kept_by_kind("spec")["avx512_bf16"]
-    with pytest.raises(SchemaError, match="environment.cpu_kind is 'avx512_bf16', but the file is named for CPU kind 'avx2'"):
+    with pytest.raises(SchemaError,
+                       match="environment.cpu_kind is 'avx512_bf16', but the file is "
+                             "named for CPU kind 'avx2'"):
         check_file("spec-avx2.json", load(path.name))
 
 
@@ -528,7 +540,8 @@ def test_the_readme_must_describe_every_file():
 
 # --- the choice of a kept run, on every kind of CPU ----------------------------------------------
 @pytest.mark.parametrize("kind", cpu_kinds())
-@pytest.mark.parametrize("prefix, module", [("throughput", throughput), ("spec", speculation)], ids=["05", "08_09"])
+@pytest.mark.parametrize("prefix, module", [("throughput", throughput), ("spec", speculation)],
+                         ids=["05", "08_09"])
 def test_the_notebooks_choice_of_a_kept_run_on_every_cpu_kind(kind, prefix, module, monkeypatch):
     """What notebook 05 (throughput) and notebooks 08 and 09 (spec) show on a CPU of this kind: the same
     call, with this machine made that kind, then the readers on the run chosen."""
@@ -554,16 +567,19 @@ def test_choose_kept_run_prefers_this_kind_then_the_first_kept_kind(tmp_path):
 
     path, doc, note = choose_kept_run("spec", "avx2", "speculative-decoding", "Run it.", tmp_path)
     assert (path, doc) == (None, None)
-    assert note == ("This CPU is of kind 'avx2', and results/ keeps no speculative-decoding run from any kind of "
-                    "CPU. Run it.")
+    assert note == ("This CPU is of kind 'avx2', and results/ keeps no "
+                    "speculative-decoding run from any kind of CPU. Run it.")
     keep("spec-aarch64.json", "aarch64")
     keep("spec-avx512.json", "avx512")
     keep("spec-draft-avx2.json", "not a kind")  # PREFIX-KIND.json only
     path, doc, note = choose_kept_run("spec", "avx2", "speculative-decoding", "Run it.", tmp_path)
-    assert path.name == "spec-avx512.json" and doc == {"kind": "avx512"}  # x86 kinds come first in cpu_kinds()
-    assert "the run shown, spec-avx512.json, is from a CPU of kind 'avx512'" in note and note.endswith("Run it.")
+    # x86 kinds come first in cpu_kinds()
+    assert path.name == "spec-avx512.json" and doc == {"kind": "avx512"}
+    assert "the run shown, spec-avx512.json, is from a CPU of kind 'avx512'" in note
+    assert note.endswith("Run it.")
     keep("spec-avx2.json", "avx2")
-    assert choose_kept_run("spec", "avx2", "x", "y", tmp_path) == (tmp_path / "spec-avx2.json", {"kind": "avx2"}, None)
+    assert choose_kept_run("spec", "avx2", "x", "y", tmp_path) == (tmp_path / "spec-avx2.json",
+                                                                   {"kind": "avx2"}, None)
     assert list(kept_by_kind("spec", tmp_path)) == ["avx2", "avx512", "aarch64"]
 
 

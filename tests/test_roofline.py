@@ -5,7 +5,13 @@ import pytest
 import torch
 
 from radarlab.lab.roofline import (
-    LLAMA_70B, TransformerDims, decode_step, intensity_limit, preemption_cost, prefill_flops, ridge_point,
+    LLAMA_70B,
+    TransformerDims,
+    decode_step,
+    intensity_limit,
+    preemption_cost,
+    prefill_flops,
+    ridge_point,
     swap_recompute_crossover,
 )
 
@@ -68,9 +74,11 @@ def test_preemption_cost_and_crossover_agree():
     link, flops = 1e9, 1e12
     cross = swap_recompute_crossover(TINY, link, flops)
     assert cross is not None
-    below, above = preemption_cost(TINY, int(cross * 0.9), link, flops), preemption_cost(TINY, int(cross * 1.1) + 1, link, flops)
+    below, above = preemption_cost(TINY, int(cross * 0.9), link,
+                                   flops), preemption_cost(TINY, int(cross * 1.1) + 1, link, flops)
     assert below.cheaper == "recompute" and above.cheaper == "swap"
-    # KV of TINY in bf16: 2 layers * 1 head * 4 dims * 2 (K and V) * 2 bytes = 32 bytes a token, copied out and back
+    # KV of TINY in bf16: 2 layers * 1 head * 4 dims * 2 (K and V) * 2 bytes = 32 bytes a token, copied out
+    # and back
     assert preemption_cost(TINY, 100, link, flops).swap_s == pytest.approx(2 * 100 * 32 / link)
 
 

@@ -13,6 +13,7 @@ from hypothesis import given, settings, strategies as st
 
 from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
 from radarlab.attention.torch_paged import paged_attention_torch
+
 from test_paged_attention import DECODE_LENS, PREFILL, TOL, make_case, max_error
 
 HEADS = [(4, 2, 16), (9, 3, 64), (2, 2, 8)]  # toy GQA, the course model's, no GQA
@@ -32,8 +33,8 @@ def both(case, block_size):
 @pytest.mark.parametrize("lens", [PREFILL, (DECODE_LENS, [1] * len(DECODE_LENS)), ([1], [1]),
                                   ([7, 40, 3, 18, 1], [1, 6, 1, 18, 1]), (MANY, [1] * len(MANY)),
                                   (MANY + [30, 12], [1] * len(MANY) + [5, 12])],
-                         ids=["prefill_chunks_decode_empty", "decodes", "one_token", "mixed", "bucketed_decodes",
-                              "bucketed_decodes_and_prefills"])
+                         ids=["prefill_chunks_decode_empty", "decodes", "one_token", "mixed",
+                              "bucketed_decodes", "bucketed_decodes_and_prefills"])
 def test_sdpa_path_equals_reference(block_size, heads, lens):
     case = make_case(*lens, block_size, *heads, seed=block_size)
     fast, ref = both(case, block_size)
@@ -81,7 +82,8 @@ def test_many_decodes_go_in_length_buckets():
     plan = plan_paged_sdpa(tables, torch.tensor(lens), torch.arange(65), 4)
     assert [b.context for b in plan.decodes] == [16, 32, 48, 64]
     for bucket in plan.decodes:  # rows name the decodes of that bucket, by their q row
-        assert sorted(lens[r] for r in bucket.rows.tolist()) == list(range(bucket.context - 15, bucket.context + 1))
+        assert sorted(lens[r] for r in bucket.rows.tolist()) == list(range(bucket.context - 15,
+                                                                           bucket.context + 1))
     assert sum(b.slots.numel() for b in plan.decodes) == 16 * (16 + 32 + 48 + 64)  # one bucket: 64 * 64
     few = plan_paged_sdpa(tables[:16], torch.tensor(lens[:16]), torch.arange(17), 4)
     assert len(few.decodes) == 1 and few.decodes[0].rows is None

@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from radarlab.engine import Engine, RequestStatus, SamplingParams
 from radarlab.lab.timeline import DECODE, PREFILL, VERIFY, output_token_ids, run_recorded
@@ -47,8 +46,8 @@ def draft_config(model, k=3):
 ])
 def test_ngram_greedy_equals_plain_greedy(tiny, workload, batch, num_blocks, budget, k):
     prompts, ref = workload
-    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget,
-                    speculative_config={**NGRAM, "num_speculative_tokens": k})
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch,
+                    max_num_batched_tokens=budget, speculative_config={**NGRAM, "num_speculative_tokens": k})
     outs = engine.generate(prompts, SamplingParams(max_tokens=NEW))
     assert [o.output_token_ids for o in outs] == ref
     assert all(o.status is RequestStatus.FINISHED_LENGTH for o in outs)
@@ -113,8 +112,10 @@ def test_proposals_are_cut_at_max_model_len(tiny, workload):
     prompts, ref = workload
     prompt = prompts[0]
     limit = len(prompt) + 6
-    plain = Engine(tiny, num_blocks=64, block_size=4, max_model_len=limit).generate([prompt], SamplingParams(max_tokens=50))
-    engine = Engine(tiny, num_blocks=64, block_size=4, max_model_len=limit, speculative_config=draft_config(tiny, k=4))
+    plain = Engine(tiny, num_blocks=64, block_size=4,
+                   max_model_len=limit).generate([prompt], SamplingParams(max_tokens=50))
+    engine = Engine(tiny, num_blocks=64, block_size=4, max_model_len=limit,
+                    speculative_config=draft_config(tiny, k=4))
     outs = engine.generate([prompt], SamplingParams(max_tokens=50))
     assert outs[0].output_token_ids == plain[0].output_token_ids == ref[0][:6]
     assert outs[0].status is RequestStatus.FINISHED_LENGTH
@@ -142,7 +143,8 @@ def test_zero_speculative_tokens_is_plain_decoding(tiny, workload):
     for config in ({**NGRAM, "num_speculative_tokens": 0}, draft_config(tiny, k=0)):
         engine = Engine(tiny, num_blocks=64, block_size=4, speculative_config=config)
         assert engine.proposer is None and engine.spec_stats is None
-        assert [o.output_token_ids for o in engine.generate(prompts[:3], SamplingParams(max_tokens=NEW))] == ref[:3]
+        assert [o.output_token_ids for o in engine.generate(prompts[:3],
+                                                            SamplingParams(max_tokens=NEW))] == ref[:3]
 
 
 @pytest.mark.parametrize("config", [NGRAM, "draft"])
@@ -164,23 +166,27 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_batch(tiny, workload, config
 
 def test_metrics_follow_vllms_definitions(tiny, workload):
     prompts, _ = workload
-    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=draft_config(truncated_copy(tiny, 1), 4))
+    engine = Engine(tiny, num_blocks=128, block_size=4,
+                    speculative_config=draft_config(truncated_copy(tiny, 1), 4))
     outs = engine.generate(prompts, SamplingParams(max_tokens=NEW))
     s = engine.spec_stats
     assert s.num_draft_tokens == sum(s.num_draft_tokens_per_pos)
     assert s.num_accepted_tokens == sum(s.num_accepted_tokens_per_pos)
-    assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)  # accepted in order
+    # accepted in order
+    assert s.num_accepted_tokens_per_pos == sorted(s.num_accepted_tokens_per_pos, reverse=True)
     assert s.mean_acceptance_length == pytest.approx(1 + s.num_accepted_tokens / s.num_drafts)
     assert s.acceptance_rate == pytest.approx(s.num_accepted_tokens / s.num_draft_tokens)
     assert s.num_forwards == engine.num_steps
-    assert s.tokens_per_forward == pytest.approx(sum(len(o.output_token_ids) for o in outs) / engine.num_steps)
+    assert s.tokens_per_forward == pytest.approx(sum(len(o.output_token_ids) for o in outs)
+                                                 / engine.num_steps)
 
 
 def test_bad_speculative_config_raises(tiny):
     def make(config):
         return Engine(tiny, num_blocks=16, block_size=4, speculative_config=config)
 
-    with pytest.raises(ValueError, match=r"unknown speculative_config keys \['num_spec_tokens'\]; valid keys: "
+    with pytest.raises(ValueError,
+                       match=r"unknown speculative_config keys \['num_spec_tokens'\]; valid keys: "
                                          r"\['method', 'num_speculative_tokens', 'prompt_lookup_min'"):
         make({"method": "ngram", "num_spec_tokens": 3})
     with pytest.raises(ValueError, match="method must be one of"):
@@ -191,7 +197,9 @@ def test_bad_speculative_config_raises(tiny):
         make({"method": "ngram", "num_speculative_tokens": -2})
     with pytest.raises(ValueError, match="needs a model"):
         make({"method": "draft_model", "num_speculative_tokens": 3})
-    with pytest.raises(ValueError, match=r"prompt_lookup_min belongs to methods \['ngram', 'ngram_eagle'\], not 'draft_model'"):
+    with pytest.raises(ValueError,
+                       match=r"prompt_lookup_min belongs to methods \['ngram', "
+                             r"'ngram_eagle'\], not 'draft_model'"):
         make({**draft_config(tiny), "prompt_lookup_min": 2})
     with pytest.raises(ValueError, match="must be a dict"):
         make([("method", "ngram")])

@@ -84,7 +84,8 @@ def test_equals_vllms_ngram_proposer():
 def test_proposer_settings_follow_vllm():
     p = NgramProposer(3)
     assert (p.prompt_lookup_min, p.prompt_lookup_max) == (5, 5)  # vLLM's defaults
-    assert (NgramProposer(3, prompt_lookup_max=4).prompt_lookup_min, NgramProposer(3, 2).prompt_lookup_max) == (4, 2)
+    assert (NgramProposer(3, prompt_lookup_max=4).prompt_lookup_min,
+            NgramProposer(3, 2).prompt_lookup_max) == (4, 2)
     with pytest.raises(ValueError, match="prompt_lookup_min=4 must be <= prompt_lookup_max=2"):
         NgramProposer(3, 4, 2)
     with pytest.raises(ValueError, match="num_speculative_tokens"):

@@ -10,8 +10,21 @@ matplotlib.use("Agg")
 
 from radarlab.engine import Engine, SamplingParams  # noqa: E402
 from radarlab.lab.timeline import (  # noqa: E402
-    DECODE, DONE, PREFILL, RECOMPUTE, WAITING, latency_metrics, max_running, output_token_ids, record_step,
-    run_recorded, slot_utilisation, state_grid, token_steps, token_times)
+    DECODE,
+    DONE,
+    PREFILL,
+    RECOMPUTE,
+    WAITING,
+    latency_metrics,
+    max_running,
+    output_token_ids,
+    record_step,
+    run_recorded,
+    slot_utilisation,
+    state_grid,
+    token_steps,
+    token_times,
+)
 
 VOCAB = 128  # the vocabulary of conftest's tiny model
 
@@ -116,7 +129,8 @@ def test_forked_samples_are_recorded(tiny):
                                                                                (("r", 1), PREFILL, 0)]
     assert all(w.sampled for w in first.scheduled)
     tokens = output_token_ids(records)
-    reference = Engine(tiny, num_blocks=32, block_size=4, max_num_seqs=4).generate([[3, 1, 4, 1, 5]], params)[0]
+    reference = Engine(tiny, num_blocks=32, block_size=4, max_num_seqs=4).generate([[3, 1, 4, 1, 5]],
+                                                                                   params)[0]
     assert [tokens["r"], tokens[("r", 1)]] == reference.completions
 
 

@@ -8,7 +8,8 @@ import torch
 from radarlab.util import cdiv, is_int, require_int, require_number, require_power_of_two
 
 
-@pytest.mark.parametrize("a, b, expected", [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (32768, 16, 2048)])
+@pytest.mark.parametrize("a, b, expected",
+                         [(0, 16, 0), (1, 16, 1), (16, 16, 1), (17, 16, 2), (32768, 16, 2048)])
 def test_cdiv_is_the_blocks_that_hold_a_tokens(a, b, expected):
     assert cdiv(a, b) == expected
 

@@ -10,8 +10,14 @@ import pytest
 
 from radarlab.models.generate import greedy_generate
 from radarlab.validate.compare import max_logprob_diff
-from radarlab.validate.vllm import (LOGPROB_TOL, VLLMError, VLLMUnavailable, compare_with_vllm,
-                                    greedy_request, run_vllm)
+from radarlab.validate.vllm import (
+    LOGPROB_TOL,
+    VLLMError,
+    VLLMUnavailable,
+    compare_with_vllm,
+    greedy_request,
+    run_vllm,
+)
 
 NEW_TOKENS = 64
 TOP_K = 5
@@ -40,9 +46,9 @@ def test_greedy_matches_vllm_fp32(prompts, vllm_greedy, comparison):
     assert all(len(o["token_ids"]) == NEW_TOKENS for o in vllm_greedy["outputs"])
     assert all(len(o["logprobs"]) == NEW_TOKENS for o in vllm_greedy["outputs"])
     results, _ = comparison
-    print(f"\nvLLM {vllm_greedy['vllm_version']} ({vllm_greedy['device']}), init {vllm_greedy['init_s']:.1f} s, "
-          f"generate {vllm_greedy['generate_s']:.1f} s; matched prefix per prompt "
-          f"{[r.matched for r in results]} of {NEW_TOKENS}")
+    print(f"\nvLLM {vllm_greedy['vllm_version']} ({vllm_greedy['device']}), init "
+          f"{vllm_greedy['init_s']:.1f} s, generate {vllm_greedy['generate_s']:.1f} s; "
+          f"matched prefix per prompt {[r.matched for r in results]} of {NEW_TOKENS}")
     for i, r in enumerate(results):
         if not r.identical:
             print(f"  prompt {i}: {r.reason}")

@@ -19,12 +19,29 @@ from radarlab.device import cpu_flags, cpu_kind
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, isa_missing
 from radarlab.models.paged_runner import paged_greedy_generate
 from radarlab.validate import vllm_worker
-from radarlab.validate.vllm_paged import (
-    BACKENDS, ENGINE_BLOCK_SIZE, FP32_TOL, ISA_BLOCK_SIZE, ISA_MODES, MODES, attention_case, attention_cases,
-    attention_op_request, compare_attention, compare_greedy_outputs, isa_cases, isa_dtypes, op_rows, op_tolerance,
-    our_attention, our_prefix_run, prefix_workload, run_paged_session, vllm_prefix_counts,
-)
 from radarlab.validate.vllm import LOGPROB_TOL, VLLMError, run_vllm, vllm_python
+from radarlab.validate.vllm_paged import (
+    BACKENDS,
+    ENGINE_BLOCK_SIZE,
+    FP32_TOL,
+    ISA_BLOCK_SIZE,
+    ISA_MODES,
+    MODES,
+    attention_case,
+    attention_cases,
+    attention_op_request,
+    compare_attention,
+    compare_greedy_outputs,
+    isa_cases,
+    isa_dtypes,
+    op_rows,
+    op_tolerance,
+    our_attention,
+    our_prefix_run,
+    prefix_workload,
+    run_paged_session,
+    vllm_prefix_counts,
+)
 
 NEW_TOKENS = 32
 PREFIX_NEW_TOKENS = 8
@@ -125,12 +142,14 @@ def test_worker_reports_the_cpu_and_vllm_chooses_by_it(session, cases):
     assert session.cpu_kind == cpu_kind()
     flags = session.cpu["flags"]
     if session.cpu["arch"] == "x86_64":
-        expected = "_C" if flags["avx512f"] and flags["avx512_bf16"] else "_C_AVX512" if flags["avx512f"] else "_C_AVX2"
+        expected = ("_C" if flags["avx512f"] and flags["avx512_bf16"]
+                    else "_C_AVX512" if flags["avx512f"] else "_C_AVX2")
         assert session.extension == expected
     amx = "amx" in attention_isas_supported()
     for case, isa in zip(cases, session.isas[:len(cases)]):
         bf16_amx = amx and case["query"].dtype == torch.bfloat16 and case["block_size"] % 32 == 0
-        assert isa == ("amx" if bf16_amx else "vec" if case["block_size"] % 32 == 0 else "vec16"), case["mode"]
+        expected_isa = "amx" if bf16_amx else "vec" if case["block_size"] % 32 == 0 else "vec16"
+        assert isa == expected_isa, case["mode"]
 
 
 def test_op_rows_show_the_isa_and_cpu_kind(cases):
@@ -140,8 +159,10 @@ def test_op_rows_show_the_isa_and_cpu_kind(cases):
     wrong = out + 1.0
     comparisons = compare_attention([auto, named], [out, wrong], ["vec", "vec16"], backends=("torch",))
     rows = op_rows(comparisons, "vLLM x.y (cpu) _C", "avx512_bf16")
-    assert [r.check for r in rows] == ["paged attention op, decode fp32, isa vec (auto) on avx512_bf16, blocks 32",
-                                       "paged attention op, decode fp32, isa vec16 (by name) on avx512_bf16, blocks 32"]
+    assert [r.check for r in rows] == ["paged attention op, decode fp32, isa vec (auto) "
+                                       "on avx512_bf16, blocks 32",
+                                       "paged attention op, decode fp32, isa vec16 (by name) "
+                                       "on avx512_bf16, blocks 32"]
     assert [r.passed for r in rows] == [True, False]  # a wrong output fails its own row only
     assert rows[1].details["isa"] == "vec16" and rows[1].details["cpu_kind"] == "avx512_bf16"
     assert rows[1].details["requested"] == ["vec16"]
@@ -159,7 +180,8 @@ def test_worker_refuses_an_isa_this_cpu_lacks(tmp_path):
     """The worker itself (not only run_vllm's check in this process) answers a JSON error naming the
     missing flag and exits 1, before vLLM is imported."""
     isa = _lacking()
-    request = {"kind": "attention_op", "inputs": str(tmp_path / "a.pt"), "outputs": str(tmp_path / "b.pt"), "isa": isa}
+    request = {"kind": "attention_op", "inputs": str(tmp_path / "a.pt"), "outputs": str(tmp_path / "b.pt"),
+               "isa": isa}
     proc = subprocess.run([str(vllm_python()), str(vllm_worker.__file__)], input=json.dumps(request),
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1, proc.stderr[-2000:]  # SIGILL would be -4
@@ -236,13 +258,15 @@ def test_greedy_on_prefix_hits_matches_vllm(model, prefix_batches, session, our_
 # --- no vLLM needed: requests and cases are checked before anything runs ------------------------------
 @pytest.mark.parametrize("request_, words", [
     ({"kind": "attention_op", "inputs": "a.pt"}, "outputs must be a file path"),
-    ({"kind": "attention_op", "inputs": "a.pt", "outputs": "b.pt", "prompts": [[1]]}, "unknown request fields"),
+    ({"kind": "attention_op", "inputs": "a.pt", "outputs": "b.pt", "prompts": [[1]]},
+     "unknown request fields"),
     ({"kind": "paged"}, "kind must be one of"),
     ({"kind": "session", "requests": []}, "requests must be a non-empty list"),
     ({"kind": "session", "requests": [{"kind": "session", "requests": []}]}, "sessions do not nest"),
     ({"kind": "session", "requests": [{"model": M, "prompts": [[1]]}, {"model": M, "prompts": [[2]]}]},
      "at most one generate"),
-    ({"kind": "session", "requests": [{"model": M, "prompts": [[1]], "max_tokens": 0}]}, "requests[0]: max_tokens"),
+    ({"kind": "session", "requests": [{"model": M, "prompts": [[1]], "max_tokens": 0}]},
+     "requests[0]: max_tokens"),
     ({"model": M, "batches": [[[1]], [[2]]], "batch_max_tokens": [4]}, "one entry per batch"),
     ({"model": M, "batches": [[[1]], [[1] * 2000]], "batch_max_tokens": [4, 100]}, "max_model_len"),
 ])
@@ -252,7 +276,8 @@ def test_bad_paged_request_fails_before_starting_vllm(request_, words):
     assert words in str(info.value)
 
 
-AVX2_CPU = {"arch": "x86_64", "flags": {"avx2": True, "avx512f": False, "avx512_bf16": False, "amx_tile": False,
+AVX2_CPU = {"arch": "x86_64",
+            "flags": {"avx2": True, "avx512f": False, "avx512_bf16": False, "amx_tile": False,
                                         "amx_bf16": False, "amx_int8": False}}
 AMX_CPU = {"arch": "x86_64", "flags": {f: True for f in vllm_worker.CPU_FLAGS}}
 ARM_CPU = {"arch": "aarch64", "flags": {f: False for f in vllm_worker.CPU_FLAGS}}
@@ -261,10 +286,12 @@ ARM_CPU = {"arch": "aarch64", "flags": {f: False for f in vllm_worker.CPU_FLAGS}
 @pytest.mark.parametrize("cpu, isa, words", [
     (AMX_CPU, "avx512", "isa must be one of ['auto', 'vec', 'vec16', 'amx'"),
     (AMX_CPU, 3, "isa must be one of"),
-    (AVX2_CPU, "amx", "'amx' attention kernel needs avx512f, avx512_bf16, amx_tile, amx_bf16, which this CPU lacks; "
+    (AVX2_CPU, "amx",
+     "'amx' attention kernel needs avx512f, avx512_bf16, amx_tile, amx_bf16, which this CPU lacks; "
                       "it can run ['vec', 'vec16']"),
     (AMX_CPU, "neon", "'neon' attention kernel needs aarch64 (this CPU is x86_64)"),
-    (ARM_CPU, "amx", "needs x86_64 (this CPU is aarch64), which this CPU lacks; it can run ['vec', 'vec16', 'neon']"),
+    (ARM_CPU, "amx",
+     "needs x86_64 (this CPU is aarch64), which this CPU lacks; it can run ['vec', 'vec16', 'neon']"),
     ({"arch": "x86_64", "flags": {f: False for f in vllm_worker.CPU_FLAGS}}, "vec", "needs avx2"),
 ])
 def test_attention_op_isa_is_checked_against_the_cpu(monkeypatch, cpu, isa, words):
@@ -275,13 +302,15 @@ def test_attention_op_isa_is_checked_against_the_cpu(monkeypatch, cpu, isa, word
     assert words in str(info.value)
 
 
-@pytest.mark.parametrize("cpu, isa", [(AVX2_CPU, "vec"), (AVX2_CPU, "vec16"), (AMX_CPU, "amx"), (ARM_CPU, "neon"),
+@pytest.mark.parametrize("cpu, isa",
+                         [(AVX2_CPU, "vec"), (AVX2_CPU, "vec16"), (AMX_CPU, "amx"), (ARM_CPU, "neon"),
                                       (AVX2_CPU, "auto")])
 def test_attention_op_isa_this_cpu_runs_passes(monkeypatch, cpu, isa):
     monkeypatch.setattr(vllm_worker, "_cpu", lambda: cpu)
     req = vllm_worker.normalize({"kind": "attention_op", "inputs": "a.pt", "outputs": "b.pt", "isa": isa})
     assert req["isa"] == isa
-    assert vllm_worker.normalize({"kind": "attention_op", "inputs": "a.pt", "outputs": "b.pt"})["isa"] == "auto"
+    assert vllm_worker.normalize({"kind": "attention_op", "inputs": "a.pt",
+                                  "outputs": "b.pt"})["isa"] == "auto"
 
 
 @pytest.mark.parametrize("isa, block_size, words", [
@@ -308,7 +337,8 @@ def test_case_isa_overrides_the_request_isa(monkeypatch):
     bf16["isa"] = "vec16"
     assert vllm_worker._check_case(bf16, 0, torch, "amx") == "vec16"
     with pytest.raises(vllm_worker.BadRequest, match="takes bfloat16 only"):
-        vllm_worker._check_case(attention_case("decode", 32), 0, torch, "amx")  # fp32 under a request-wide amx
+        # fp32 under a request-wide amx
+        vllm_worker._check_case(attention_case("decode", 32), 0, torch, "amx")
 
 
 def _fake_vllm(monkeypatch, events: list, auto_isa: str) -> None:
@@ -321,15 +351,19 @@ def _fake_vllm(monkeypatch, events: list, auto_isa: str) -> None:
                 kwargs["output"].zero_()
         return call
 
-    platform_ = types.SimpleNamespace(is_cpu=lambda: True, import_kernels=lambda: events.append("import_kernels"))
-    ops = types.SimpleNamespace(cpu_attn_reshape_and_cache=op("reshape"), cpu_attention_with_kv_cache=op("attention"),
+    platform_ = types.SimpleNamespace(is_cpu=lambda: True,
+                                      import_kernels=lambda: events.append("import_kernels"))
+    ops = types.SimpleNamespace(cpu_attn_reshape_and_cache=op("reshape"),
+                                cpu_attention_with_kv_cache=op("attention"),
                                 cpu_attn_get_scheduler_metadata=op("metadata"))
     root = types.ModuleType("vllm")
-    root.__version__, root.envs, root._custom_ops = "fake", types.SimpleNamespace(VLLM_CPU_ATTN_SPLIT_KV=False), ops
+    root.__version__, root._custom_ops = "fake", ops
+    root.envs = types.SimpleNamespace(VLLM_CPU_ATTN_SPLIT_KV=False)
     cpu_attn = types.ModuleType("vllm.v1.attention.backends.cpu_attn")
     cpu_attn._get_attn_isa = lambda dtype, block_size, head_size, kv_cache_dtype: auto_isa
     modules = {"vllm": root, "vllm.platforms": types.SimpleNamespace(current_platform=platform_),
-               "vllm.v1": types.ModuleType("vllm.v1"), "vllm.v1.attention": types.ModuleType("vllm.v1.attention"),
+               "vllm.v1": types.ModuleType("vllm.v1"),
+               "vllm.v1.attention": types.ModuleType("vllm.v1.attention"),
                "vllm.v1.attention.backends": types.ModuleType("vllm.v1.attention.backends"),
                "vllm.v1.attention.backends.cpu_attn": cpu_attn}
     for name, module in modules.items():
@@ -346,7 +380,8 @@ def test_amx_tile_permission_is_asked_before_any_op(monkeypatch, tmp_path, isa):
     monkeypatch.setattr(vllm_worker, "_cpu", lambda: AMX_CPU)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
     monkeypatch.setattr(torch.cpu, "_init_amx", lambda: events.append("init_amx") or True)
-    cases = [attention_case("decode", 32, torch.bfloat16, isa="vec"), attention_case("decode", 32, torch.bfloat16)]
+    cases = [attention_case("decode", 32, torch.bfloat16, isa="vec"),
+             attention_case("decode", 32, torch.bfloat16)]
     request, _ = attention_op_request(cases, tmp_path)
     response = vllm_worker.run(vllm_worker.normalize({**request, "isa": isa}))
     assert [c["isa"] for c in response["cases"]] == ["vec", "amx"]
@@ -372,9 +407,11 @@ def test_auto_choice_is_held_to_the_cpu(monkeypatch, tmp_path):
     without AMX support), the worker refuses instead of running into SIGILL."""
     events = []
     _fake_vllm(monkeypatch, events, auto_isa="amx")
-    monkeypatch.setattr(vllm_worker, "_cpu", lambda: {**AVX2_CPU, "flags": {**AMX_CPU["flags"], "amx_tile": False}})
+    monkeypatch.setattr(vllm_worker, "_cpu",
+                        lambda: {**AVX2_CPU, "flags": {**AMX_CPU["flags"], "amx_tile": False}})
     request, _ = attention_op_request([attention_case("decode", 32, torch.bfloat16)], tmp_path)
-    with pytest.raises(vllm_worker.BadRequest, match=r"cases\[0\] \(vLLM's auto choice 'amx'\).*needs amx_tile"):
+    with pytest.raises(vllm_worker.BadRequest,
+                       match=r"cases\[0\] \(vLLM's auto choice 'amx'\).*needs amx_tile"):
         vllm_worker.run(vllm_worker.normalize(request))
     assert events == ["import_kernels"]
 

@@ -1,7 +1,7 @@
 """Speculative decoding against real vLLM (fp32, greedy): the n-gram proposer (k=5, min 2, max 4) and
-draft_model (the course model drafting for itself, k=4) and eagle (the trained head, k=4), on the code-copy prompt at batch 1 and a
-mixed batch of four. Output tokens must be identical, and drafts, accepted tokens and accepted
-tokens per position equal to vLLM's counters."""
+draft_model (the course model drafting for itself, k=4) and eagle (the trained head, k=4), on the code-copy
+prompt at batch 1 and a mixed batch of four. Output tokens must be identical, and drafts, accepted tokens and
+accepted tokens per position equal to vLLM's counters."""
 from __future__ import annotations
 
 import pytest

@@ -41,7 +41,8 @@ def test_every_code_rebuilt_from_its_fields_equals_torch(fmt):
 
 
 @pytest.mark.parametrize("fmt,kinds", [("e4m3", {"zero": 2, "subnormal": 14, "normal": 238, "nan": 2}),
-                                       ("e5m2", {"zero": 2, "subnormal": 6, "normal": 240, "inf": 2, "nan": 6})])
+                                       ("e5m2",
+                                        {"zero": 2, "subnormal": 6, "normal": 240, "inf": 2, "nan": 6})])
 def test_kinds_are_counted(fmt, kinds):
     counted = {}
     for info in all_codes(fmt):
@@ -55,7 +56,8 @@ def test_known_codes():
     top = code_info(0x7E, "e4m3")
     assert top.value == 448 and top.is_max and top.step is None and "saturates" in caption(top)
     assert code_info(0xFE, "e4m3").is_max and code_info(0xFE, "e4m3").value == -448
-    assert code_info(0x7F, "e4m3").kind == "nan" and code_info(0x78, "e4m3").kind == "normal"  # no inf in E4M3fn
+    # no inf in E4M3fn
+    assert code_info(0x7F, "e4m3").kind == "nan" and code_info(0x78, "e4m3").kind == "normal"
     assert code_info(0x01, "e4m3").value == 2.0**-9 and code_info(0x01, "e4m3").kind == "subnormal"
     assert code_info(0x00, "e4m3").next_up == 2.0**-9
     assert code_info(0x7B, "e5m2").value == 57344 and code_info(0x7B, "e5m2").is_max

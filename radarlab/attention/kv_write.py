@@ -26,7 +26,8 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, kv_cache_dtype: str 
         keep = slots >= 0
         slots, k, v = slots[keep], k[keep], v[keep]
     fmt = kv_format(kv_cache_dtype)
-    if fmt.is_quantized and not isinstance(k_cache, QuantizedPool):  # vLLM's form: raw pools and static scales
+    # vLLM's form: raw pools and static scales
+    if fmt.is_quantized and not isinstance(k_cache, QuantizedPool):
         k_cache, v_cache = (QuantizedPool(fmt, k_cache, scale=k_scale, head_dim=k.shape[-1]),
                             QuantizedPool(fmt, v_cache, scale=v_scale, head_dim=v.shape[-1]))
     if isinstance(k_cache, QuantizedPool):

@@ -27,7 +27,8 @@ def validate_block_tables(block_tables: torch.Tensor, seq_lens: torch.Tensor, nu
     """Every block a sequence uses must be in the pool. Entries past cdiv(seq_len, block_size) are
     padding (any value, usually -1) and are never read."""
     if block_tables.dim() != 2:
-        raise ValueError(f"block_tables must be [num_seqs, max_blocks], got shape {tuple(block_tables.shape)}")
+        raise ValueError("block_tables must be [num_seqs, max_blocks], got shape "
+                         f"{tuple(block_tables.shape)}")
     if block_tables.shape[0] != seq_lens.numel():
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows; expected one per sequence "
                          f"({seq_lens.numel()} seq_lens)")
@@ -68,6 +69,6 @@ def validate_partition_size(partition_size, block_size: int) -> int:
     exactly one partition and no block is fetched by two programs."""
     require_power_of_two("partition_size", partition_size)
     if partition_size % block_size:
-        raise ValueError(f"partition_size ({partition_size}) must be a multiple of the block size ({block_size}), "
-                         f"so that no block is split between two partitions")
+        raise ValueError(f"partition_size ({partition_size}) must be a multiple of the "
+                         f"block size ({block_size}), so that no block is split between two partitions")
     return int(partition_size)

@@ -14,8 +14,12 @@ that built it (vLLM gives each backend a metadata class of its own).
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # for the annotation only: sdpa_paged is not imported at run time
+    from radarlab.attention.sdpa_paged import PagedSDPAPlan
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None  # [B, max_blocks] paged cache: physical block ids
     checked_for: tuple | None = None  # the pool geometry these were validated against, if any
     plan: "PagedSDPAPlan | None" = None  # the torch backend's per-step plan (radarlab.attention.sdpa_paged)
-    backend: object | None = None  # the attention backend whose build() made this (radarlab.attention.backends)
+    # the attention backend whose build() made this (radarlab.attention.backends)
+    backend: object | None = None
 
     def __post_init__(self) -> None:
         if self.query_start_loc.dim() != 1 or self.seq_lens.dim() != 1:

@@ -43,9 +43,11 @@ def attention_settled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_fresh
     key group only once it is complete; radarlab.kvcache.kivi_store)."""
     tq, h, d = q.shape
     tk, hkv, _ = k.shape
-    if k_fresh.shape != k.shape or v.shape != k.shape or v_fresh.shape != k.shape or tuple(settled.shape) != (tq,):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, k_fresh "
-                         f"{tuple(k_fresh.shape)}, v_fresh {tuple(v_fresh.shape)}, settled {tuple(settled.shape)}")
+    if (k_fresh.shape != k.shape or v.shape != k.shape or v_fresh.shape != k.shape
+            or tuple(settled.shape) != (tq,)):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v "
+                         f"{tuple(v.shape)}, k_fresh {tuple(k_fresh.shape)}, v_fresh {tuple(v_fresh.shape)}, "
+                         f"settled {tuple(settled.shape)}")
     qg = q.float().view(tq, hkv, h // hkv, d)
     j = torch.arange(tk, device=q.device)[None, :]
     stored = (j < settled.to(q.device)[:, None])[:, None, None, :]  # [Tq, 1, 1, Tk]

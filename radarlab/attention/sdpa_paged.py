@@ -101,7 +101,8 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     device = block_tables.device
     is_decode = query_lens == 1
-    bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()  # the step's one sync
+    # the step's one sync
+    bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()
     padded = slot_mapping is None or bool((slot_mapping < 0).any())
     seqs = [b for b, d in enumerate(decodes) if d]
     kernel = None
@@ -129,7 +130,8 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     return PagedSDPAPlan(bounds[-1], buckets, tuple(prefills), padded, kernel)
 
 
-def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_loc, in_order: bool) -> KernelDecodes:
+def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_loc,
+                    in_order: bool) -> KernelDecodes:
     index = torch.tensor(seqs, device=block_tables.device)
     tables = block_tables if in_order else block_tables[index]
     rows = None if in_order else query_start_loc[:-1].long()[index]
@@ -169,8 +171,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.kernel is not None:  # the decodes' rows of out, straight from the blocks
         d = plan.kernel
-        d.op(out, q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens, d.rows,
-             scale)
+        d.op(out, q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens,
+             d.rows, scale)
     for bucket in plan.decodes:
         out[bucket.rows] = _decode(q[bucket.rows], k_rows, v_rows, bucket, scale)
     for p in plan.prefills:
@@ -180,8 +182,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
         # 24.2 ms; a 275-token prefill's attention, 30 layers, 47 -> 41 ms).
         k = k_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
         v = v_rows.index_select(0, p.slots).transpose(0, 1).to(q.dtype)[None]
-        o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k, v, attn_mask=p.mask, scale=scale,
-                                           is_causal=p.mask is None, enable_gqa=gqa)
+        o = F.scaled_dot_product_attention(q[p.lo:p.hi].transpose(0, 1)[None], k, v, attn_mask=p.mask,
+                                           scale=scale, is_causal=p.mask is None, enable_gqa=gqa)
         out[p.lo:p.hi] = o[0].transpose(0, 1)
     return out
 
@@ -192,8 +194,10 @@ def _decode(q, k_rows, v_rows, bucket: DecodeBucket, scale: float) -> torch.Tens
     whole group (measured in bf16: 4x faster than one query row per head with enable_gqa)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_rows.shape[1]
-    k = k_rows.index_select(0, bucket.slots).view(num_seqs, bucket.context, num_kv_heads, head_dim).to(q.dtype)
-    v = v_rows.index_select(0, bucket.slots).view(num_seqs, bucket.context, num_kv_heads, head_dim).to(q.dtype)
+    k = k_rows.index_select(0, bucket.slots).view(num_seqs, bucket.context, num_kv_heads,
+                                                  head_dim).to(q.dtype)
+    v = v_rows.index_select(0, bucket.slots).view(num_seqs, bucket.context, num_kv_heads,
+                                                  head_dim).to(q.dtype)
     grouped = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
     out = F.scaled_dot_product_attention(grouped, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bucket.mask,
                                          scale=scale)

@@ -54,8 +54,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     if decodes:
         rows = torch.tensor([bounds[b] for b in decodes], device=q.device)
         seqs = torch.tensor(decodes, device=block_tables.device)
-        out[rows] = paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs.to(seq_lens.device)],
-                                       scale, check=False)
+        out[rows] = paged_decode_torch(q[rows], k_cache, v_cache, block_tables[seqs],
+                                       seq_lens[seqs.to(seq_lens.device)], scale, check=False)
     done = set(decodes)
     for b, seq_len in enumerate(seq_lens.tolist()):
         lo, hi = bounds[b], bounds[b + 1]
@@ -73,7 +73,8 @@ def paged_attention_torch(q, k_cache, v_cache, block_tables, seq_lens, query_sta
     return out
 
 
-def paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, check: bool = True) -> torch.Tensor:
+def paged_decode_torch(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                       check: bool = True) -> torch.Tensor:
     """Decode (one query per sequence, q [B, H, D]) for the whole batch at once, without a Python loop.
 
     It gathers every sequence's full block-table row, [B, max_blocks * block_size, kv_heads, dim],
@@ -139,11 +140,11 @@ def split_kv_partials_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, 
         validate_pool(k_cache, v_cache)
         validate_block_tables(block_tables, seq_lens, k_cache.shape[0], k_cache.shape[1])
         if q.dim() != 3 or q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
-            raise ValueError(f"q must be [num_seqs, a multiple of {k_cache.shape[2]} heads, {k_cache.shape[3]}] "
-                             f"to match the pool, got {tuple(q.shape)}")
+            raise ValueError(f"q must be [num_seqs, a multiple of {k_cache.shape[2]} "
+                             f"heads, {k_cache.shape[3]}] to match the pool, got {tuple(q.shape)}")
         if q.shape[0] != seq_lens.numel():
-            raise ValueError(f"q has {q.shape[0]} rows but seq_lens has {seq_lens.numel()}; decode takes exactly "
-                             f"one query per sequence")
+            raise ValueError(f"q has {q.shape[0]} rows but seq_lens has "
+                             f"{seq_lens.numel()}; decode takes exactly one query per sequence")
         if seq_lens.numel() and int(seq_lens.min()) < 1:
             raise ValueError(f"decode needs seq_lens >= 1, got {seq_lens.tolist()}")
     validate_partition_size(partition_size, k_cache.shape[1])
@@ -154,8 +155,10 @@ def split_kv_partials_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, 
     k, v, visible = _gather_batch(k_cache, v_cache, block_tables, seq_lens, q.device)
     num_parts = cdiv(k.shape[1], partition_size)
     pad = num_parts * partition_size - k.shape[1]  # round the context up to whole partitions
-    k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(num_seqs, num_parts, partition_size, num_kv_heads, -1)
-    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(num_seqs, num_parts, partition_size, num_kv_heads, -1)
+    k = torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)).view(num_seqs, num_parts, partition_size,
+                                                              num_kv_heads, -1)
+    v = torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad)).view(num_seqs, num_parts, partition_size,
+                                                              num_kv_heads, -1)
     visible = torch.nn.functional.pad(visible, (0, pad)).view(num_seqs, 1, 1, num_parts, partition_size)
 
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
@@ -167,8 +170,8 @@ def split_kv_partials_torch(q, k_cache, v_cache, block_tables, seq_lens, scale, 
     sums = p.sum(dim=-1)
     acc = torch.einsum("bhgps,bpshd->bhgpd", p, v)
     outs = torch.where(sums[..., None] > 0, acc / sums[..., None], 0.0)
-    return (outs.reshape(num_seqs, num_heads, num_parts, head_dim), maxes.reshape(num_seqs, num_heads, num_parts),
-            sums.reshape(num_seqs, num_heads, num_parts))
+    return (outs.reshape(num_seqs, num_heads, num_parts, head_dim),
+            maxes.reshape(num_seqs, num_heads, num_parts), sums.reshape(num_seqs, num_heads, num_parts))
 
 
 def combine_partitions_torch(outs: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,10 @@ import triton
 import triton.language as tl
 
 from radarlab.attention.layout import (
-    validate_block_tables, validate_partition_size, validate_pool, validate_slot_mapping,
+    validate_block_tables,
+    validate_partition_size,
+    validate_pool,
+    validate_slot_mapping,
 )
 
 
@@ -141,9 +144,10 @@ def _attend_positions(q, m, l, acc, k_cache_ptr, v_cache_ptr, table, first, last
 
 @triton.jit
 def _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale,
-                  stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, head_dim,
-                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                  TILE_N: tl.constexpr):
+                  stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd, stride_bt,
+                  head_dim,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr):
     """(m, l, acc) of one sequence's GQA group (the query heads that share kv_head) over positions
     first .. last - 1: its query loaded once and pre-scaled, then _attend_positions from an empty state."""
     g = tl.arange(0, GROUP_PAD)
@@ -199,7 +203,8 @@ def _paged_decode_kernel(
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < head_dim)[None, :]
-    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0, seq_len, scale,
+    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, 0, seq_len,
+                              scale,
                               stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
                               stride_bt, head_dim, GROUP, GROUP_PAD, DIM_PAD, BLOCK_SIZE, TILE_N)
 
@@ -274,7 +279,8 @@ def _paged_decode_partition_kernel(
     d = tl.arange(0, DIM_PAD)
     heads = kv_head * GROUP + g
     q_mask = (g < GROUP)[:, None] & (d < head_dim)[None, :]
-    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last, scale,
+    m, l, acc = _attend_group(q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq, kv_head, first, last,
+                              scale,
                               stride_qt, stride_qh, stride_qd, stride_cb, stride_cs, stride_ch, stride_cd,
                               stride_bt, head_dim, GROUP, GROUP_PAD, DIM_PAD, BLOCK_SIZE, TILE_N)
 
@@ -316,7 +322,8 @@ def _combine_partitions_kernel(
     m_seen = tl.full([PARTS_TILE], float("-inf"), tl.float32)
     for first in range(0, num_parts, PARTS_TILE):
         idx = first + tl.arange(0, PARTS_TILE)
-        m_seen = tl.maximum(m_seen, tl.load(stats + idx * stride_pmp, mask=idx < num_parts, other=float("-inf")))
+        m_seen = tl.maximum(m_seen,
+                            tl.load(stats + idx * stride_pmp, mask=idx < num_parts, other=float("-inf")))
     m = tl.max(m_seen, axis=0)
 
     weight_sum = tl.zeros([PARTS_TILE], tl.float32)
@@ -356,7 +363,8 @@ def triton_paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale
     if check:
         _check_decode(block_tables, seq_lens, num_seqs, num_blocks, block_size)
         if max_seq_len is not None and num_seqs and max_seq_len < int(seq_lens.max()):
-            raise ValueError(f"max_seq_len ({max_seq_len}) is below the longest seq_len ({int(seq_lens.max())})")
+            raise ValueError(f"max_seq_len ({max_seq_len}) is below the longest "
+                             f"seq_len ({int(seq_lens.max())})")
     block_tables, seq_lens = _rows_contiguous(block_tables), seq_lens.contiguous()
     out = torch.empty_like(q) if out is None else out
     if num_seqs == 0:
@@ -471,7 +479,8 @@ def _paged_prefill_kernel(
 
     out = acc / l[:, None]
     o_rows = (q_start + token) * stride_ot + (kv_head * GROUP + g) * stride_oh
-    tl.store(out_ptr + o_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=row_mask)
+    tl.store(out_ptr + o_rows[:, None] + d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty),
+             mask=row_mask)
 
 
 def triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out=None,
@@ -489,7 +498,8 @@ def triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_star
     if check:
         validate_block_tables(block_tables, seq_lens, num_blocks, block_size)
         if int(query_start_loc[-1]) != num_tokens:
-            raise ValueError(f"query_start_loc ends at {int(query_start_loc[-1])} but q has {num_tokens} tokens")
+            raise ValueError(f"query_start_loc ends at {int(query_start_loc[-1])} but "
+                             f"q has {num_tokens} tokens")
         if (query_lens < 0).any() or (query_lens > seq_lens.to(query_lens.device)).any():
             raise ValueError("each query_len must be between 0 and its seq_len")
     block_tables, seq_lens = _rows_contiguous(block_tables), seq_lens.contiguous()
@@ -519,7 +529,8 @@ def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_st
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if query_lens.numel() and bool((query_lens == 1).all()):
         return triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, check=check)
-    return triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, check=check)
+    return triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
+                                check=check)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -542,4 +553,5 @@ def _check_decode(block_tables, seq_lens, num_seqs, num_blocks, block_size) -> N
                          f"shape {tuple(seq_lens.shape)}")
     validate_block_tables(block_tables, seq_lens, num_blocks, block_size)
     if num_seqs and int(seq_lens.min()) < 1:
-        raise ValueError(f"decode needs seq_lens >= 1 (the query's own token is in the cache), got {seq_lens.tolist()}")
+        raise ValueError("decode needs seq_lens >= 1 (the query's own token is in the "
+                         f"cache), got {seq_lens.tolist()}")

@@ -145,14 +145,15 @@ def _load_zero(z_stored, meta_table_ptr, SCALE_FP8: tl.constexpr):
 # --------------------------------------------------------------------------------------------------
 @triton.jit
 def _quant_write_kernel(
-    x_ptr, slot_ptr, payload_ptr, scales_ptr, zeros_ptr, static_ptr, pos_ptr, table_ptr, meta_pos_ptr, meta_table_ptr,
-    num_tokens, num_kv_heads,
+    x_ptr, slot_ptr, payload_ptr, scales_ptr, zeros_ptr, static_ptr, pos_ptr, table_ptr, meta_pos_ptr,
+    meta_table_ptr, num_tokens, num_kv_heads,
     stride_xt, stride_xh, stride_xd,
     stride_pb, stride_ps, stride_ph, stride_pd,
     stride_mb, stride_ms, stride_mh, stride_md,
     static_h,
     BLOCK_SIZE: tl.constexpr, TOKENS: tl.constexpr, HEADS_PAD: tl.constexpr, DIM: tl.constexpr,
-    KIND: tl.constexpr, TOP: tl.constexpr, MAX_FINITE: tl.constexpr, RTZ: tl.constexpr, TOKEN_SCALE: tl.constexpr,
+    KIND: tl.constexpr, TOP: tl.constexpr, MAX_FINITE: tl.constexpr, RTZ: tl.constexpr,
+    TOKEN_SCALE: tl.constexpr,
     QGROUP: tl.constexpr, SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr,
     TINY: tl.constexpr,
 ):
@@ -166,8 +167,8 @@ def _quant_write_kernel(
     tok_ok = slots >= 0
     th_ok = tok_ok[:, None] & (h < num_kv_heads)[None, :]  # [TOKENS, HEADS]
     mask = th_ok[:, :, None]
-    x = tl.load(x_ptr + tokens[:, None, None] * stride_xt + h[None, :, None] * stride_xh + d[None, None, :] * stride_xd,
-                mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + tokens[:, None, None] * stride_xt + h[None, :, None] * stride_xh
+                + d[None, None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
     pbase = (blocks * stride_pb + rows * stride_ps)[:, None] + h[None, :] * stride_ph  # [TOKENS, HEADS]
     mbase = (blocks * stride_mb + rows * stride_ms)[:, None] + h[None, :] * stride_mh
     if KIND == 1:
@@ -180,7 +181,8 @@ def _quant_write_kernel(
         else:
             s = tl.load(static_ptr + h * static_h, mask=h < num_kv_heads, other=1.0)[None, :]
         codes = _fp8_encode(tl.div_rn(x, s[:, :, None]), pos_ptr, TOP, RTZ)
-        tl.store(payload_ptr + pbase[:, :, None] + d[None, None, :] * stride_pd, codes.to(tl.uint8), mask=mask)
+        tl.store(payload_ptr + pbase[:, :, None] + d[None, None, :] * stride_pd, codes.to(tl.uint8),
+                 mask=mask)
     else:
         NG: tl.constexpr = DIM // QGROUP
         xg = tl.reshape(x, [TOKENS, HEADS_PAD, NG, QGROUP])
@@ -192,8 +194,10 @@ def _quant_write_kernel(
         else:
             lo = tl.min(xg, axis=3)
             hi = tl.max(xg, axis=3)
-            s_stored, s, z_stored = _asym_meta(lo, hi, meta_pos_ptr, meta_table_ptr, SCALE_FP8, INT8_ZEROS, TINY)
-            q = _asym_codes(xg, s[:, :, :, None], z_stored[:, :, :, None], meta_table_ptr, SCALE_FP8, INT8_ZEROS)
+            s_stored, s, z_stored = _asym_meta(lo, hi, meta_pos_ptr, meta_table_ptr, SCALE_FP8, INT8_ZEROS,
+                                               TINY)
+            q = _asym_codes(xg, s[:, :, :, None], z_stored[:, :, :, None], meta_table_ptr, SCALE_FP8,
+                            INT8_ZEROS)
             g = tl.arange(0, NG)
             tl.store(zeros_ptr + mbase[:, :, None] + g[None, None, :] * stride_md, z_stored, mask=mask)
         g = tl.arange(0, NG)
@@ -221,15 +225,16 @@ def _check_pools(k_pool, v_pool) -> None:
     if all(isinstance(p, KiviPool) for p in inner):
         if inner[0].store is not inner[1].store or inner[0].layer != inner[1].layer or not inner[0].keys \
                 or inner[1].keys:
-            raise ValueError("KIVI pools must be (keys, values) of the same store and layer (PagedKVCache.layer_pools)")
+            raise ValueError("KIVI pools must be (keys, values) of the same store and layer "
+                             "(PagedKVCache.layer_pools)")
         require_power_of_two("head_dim (quantized Triton kernels)", inner[0].shape[-1])
         return
     k_pool, v_pool = inner
     if not isinstance(k_pool, QuantizedPool) or not isinstance(v_pool, QuantizedPool):
         raise ValueError("the quantized kernels take QuantizedPool pools (PagedKVCache.layer_pools)")
     if k_pool.fmt != v_pool.fmt or k_pool.shape != v_pool.shape:
-        raise ValueError(f"K and V pools differ: {k_pool.fmt.name} {tuple(k_pool.shape)} vs {v_pool.fmt.name} "
-                         f"{tuple(v_pool.shape)}")
+        raise ValueError(f"K and V pools differ: {k_pool.fmt.name} "
+                         f"{tuple(k_pool.shape)} vs {v_pool.fmt.name} {tuple(v_pool.shape)}")
     if k_pool.fmt.kind not in ("fp8", "int4"):
         raise ValueError(f"the quantized kernels handle fp8, int4 and kivi pools, not {k_pool.fmt.name}")
     require_power_of_two("head_dim (quantized Triton kernels)", k_pool.head_dim)
@@ -312,8 +317,8 @@ def _kivi_key_write_kernel(
     h = tl.arange(0, HEADS_PAD)
     d = tl.arange(0, DIM)
     h_ok = h < num_kv_heads
-    x = tl.load(x_ptr + ((i * G + r[:, None, None]) * num_kv_heads + h[None, :, None]) * DIM + d[None, None, :],
-                mask=h_ok[None, :, None], other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + ((i * G + r[:, None, None]) * num_kv_heads + h[None, :, None]) * DIM
+                + d[None, None, :], mask=h_ok[None, :, None], other=0.0).to(tl.float32)
     lo = tl.min(x, axis=0)  # [HEADS, DIM]: each channel over the group's tokens
     hi = tl.max(x, axis=0)
     s_stored, s, z_stored = _asym_meta(lo, hi, meta_pos_ptr, meta_table_ptr, SCALE_FP8, INT8_ZEROS, TINY)
@@ -342,12 +347,13 @@ def triton_kivi_quantize_groups(store, layer: int, ks, vs, blocks, groups) -> No
     _, _, meta_pos, meta = tables
     payload, scales, zeros = store.k[layer], store.k_scales[layer], store.k_zeros[layer]
     _kivi_key_write_kernel[(n,)](
-        ks.float().contiguous(), blocks.contiguous(), groups.contiguous(), payload, scales, zeros, meta_pos, meta, H,
-        *payload.stride(), *scales.stride(),
+        ks.float().contiguous(), blocks.contiguous(), groups.contiguous(), payload, scales, zeros, meta_pos,
+        meta, H, *payload.stride(), *scales.stride(),
         G=g, HEADS_PAD=_pow2(H), DIM=D, SCALE_FP8=fmt.scale_dtype == "fp8", INT8_ZEROS=fmt.int8_zeros,
         TINY=int4.SMALLEST_SCALE[fmt.scale_dtype],
     )
-    slots = ((blocks * store.block_size + groups * g)[:, None] + torch.arange(g, device=blocks.device)).reshape(-1)
+    slots = ((blocks * store.block_size + groups * g)[:, None] + torch.arange(g,
+                                                                              device=blocks.device)).reshape(-1)
     _write(vs.reshape(n * g, H, D).float(), slots.contiguous(), store.v[layer], store.v_scales[layer],
            store.v_zeros[layer], meta, 0, fmt, "int4", 4, tables)
 
@@ -356,10 +362,12 @@ def triton_kivi_quantize_groups(store, layer: int, ks, vs, blocks, groups) -> No
 # 2. Attention that dequantizes as it loads
 # --------------------------------------------------------------------------------------------------
 @triton.jit
-def _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head, d, ok,
-                  stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, stride_md, static_h,
-                  KIND: tl.constexpr, TOKEN_SCALE: tl.constexpr, QGROUP: tl.constexpr, SYMMETRIC: tl.constexpr,
-                  SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr):
+def _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head, d,
+                  ok,
+                  stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, stride_md,
+                  static_h,
+                  KIND: tl.constexpr, TOKEN_SCALE: tl.constexpr, QGROUP: tl.constexpr,
+                  SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr):
     """fp32 [N, DIM] of N positions (block, row: [N]) of one KV head, decoded from the codes; rows not ok
     are 0. KIND 1: fp8; 2: int4 groups along head_dim (a scale per token and group); 3: KIVI keys (a
     scale per channel, shared by the QGROUP tokens of a key group)."""
@@ -377,9 +385,11 @@ def _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_
         byte = tl.load(ptr + base[:, None] + (d[None, :] // 2) * stride_pd, mask=mask, other=0).to(tl.int32)
         nib = ((byte >> ((d[None, :] % 2) * 4)) & 15).to(tl.float32)
         if KIND == 3:
-            moff = (block * stride_mb + (row // QGROUP) * stride_ms + kv_head * stride_mh)[:, None] + d[None, :] * stride_md
+            moff = ((block * stride_mb + (row // QGROUP) * stride_ms + kv_head * stride_mh)[:, None]
+                    + d[None, :] * stride_md)
         else:
-            moff = (block * stride_mb + row * stride_ms + kv_head * stride_mh)[:, None] + (d[None, :] // QGROUP) * stride_md
+            moff = ((block * stride_mb + row * stride_ms + kv_head * stride_mh)[:, None]
+                    + (d[None, :] // QGROUP) * stride_md)
         if SCALE_FP8:
             s = tl.load(meta_table_ptr + tl.load(scales_ptr + moff, mask=mask, other=0).to(tl.int32))
         else:
@@ -413,9 +423,10 @@ def _load_kv(ptr, scales_ptr, zeros_ptr, static_ptr, tail_ptr, fresh_ptr, sink_p
     """K or V of N positions as stored, and (SETTLE) as they were before this step quantized them:
     (stored, fresh), each fp32 [N, DIM]. Codes first; KIVI's tails over the groups that have one;
     this step's 16-bit groups over those (fresh only); the sink over a first block's first rows."""
-    x = _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head, d,
-                      ok, stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, stride_md,
-                      static_h, KIND, TOKEN_SCALE, QGROUP, SYMMETRIC, SCALE_FP8, INT8_ZEROS)
+    x = _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head,
+                      d,
+                      ok, stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh,
+                      stride_md, static_h, KIND, TOKEN_SCALE, QGROUP, SYMMETRIC, SCALE_FP8, INT8_ZEROS)
     fresh = x
     if KIVI:
         entry = block * NUM_GROUPS + row // QGROUP
@@ -423,8 +434,8 @@ def _load_kv(ptr, scales_ptr, zeros_ptr, static_ptr, tail_ptr, fresh_ptr, sink_p
                      num_kv_heads, QGROUP, DIM)
         fresh = x
         if SETTLE:
-            fresh = _overlay(x, tl.load(fresh_of_ptr + entry, mask=ok, other=-1), fresh_ptr, row % QGROUP, kv_head,
-                             d, num_kv_heads, QGROUP, DIM)
+            fresh = _overlay(x, tl.load(fresh_of_ptr + entry, mask=ok, other=-1), fresh_ptr, row % QGROUP,
+                             kv_head, d, num_kv_heads, QGROUP, DIM)
     if SINK > 0:
         which = tl.load(sink_of_ptr + block, mask=ok & (row < SINK), other=-1)
         x = _overlay(x, which, sink_ptr, row, kv_head, d, num_kv_heads, SINK, DIM)
@@ -477,7 +488,8 @@ def _quant_attention_kernel(
     d = tl.arange(0, DIM)
     row_ok = (token < query_len) & (g < GROUP)
     q_rows = (q_start + token) * stride_qt + (kv_head * GROUP + g) * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q = tl.load(q_ptr + q_rows[:, None] + d[None, :] * stride_qd, mask=row_ok[:, None],
+                other=0.0).to(tl.float32)
     q = q * scale
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -490,8 +502,10 @@ def _quant_attention_kernel(
         pos_ok = pos < kv_end
         block = tl.load(table + pos // BLOCK_SIZE, mask=pos_ok, other=0).to(tl.int64)
         row = pos % BLOCK_SIZE
-        k, k_fresh = _load_kv(k_ptr, k_scales_ptr, k_zeros_ptr, k_static_ptr, k_tail_ptr, k_fresh_ptr, k_sink_ptr,
-                              table_ptr, meta_table_ptr, tail_of_ptr, fresh_of_ptr, sink_of_ptr, block, row, kv_head,
+        k, k_fresh = _load_kv(k_ptr, k_scales_ptr, k_zeros_ptr, k_static_ptr, k_tail_ptr, k_fresh_ptr,
+                              k_sink_ptr,
+                              table_ptr, meta_table_ptr, tail_of_ptr, fresh_of_ptr, sink_of_ptr, block, row,
+                              kv_head,
                               d, pos_ok, num_kv_heads, stride_pb, stride_ps, stride_ph, stride_pd, stride_kmb,
                               stride_kms, stride_kmh, stride_kmd, static_h, DIM, K_KIND, TOKEN_SCALE, QGROUP,
                               SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK)
@@ -505,8 +519,10 @@ def _quant_attention_kernel(
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing
         alpha = tl.exp(m - m_safe)
         p = tl.exp(s - m_safe[:, None])
-        v, v_fresh = _load_kv(v_ptr, v_scales_ptr, v_zeros_ptr, v_static_ptr, v_tail_ptr, v_fresh_ptr, v_sink_ptr,
-                              table_ptr, meta_table_ptr, tail_of_ptr, fresh_of_ptr, sink_of_ptr, block, row, kv_head,
+        v, v_fresh = _load_kv(v_ptr, v_scales_ptr, v_zeros_ptr, v_static_ptr, v_tail_ptr, v_fresh_ptr,
+                              v_sink_ptr,
+                              table_ptr, meta_table_ptr, tail_of_ptr, fresh_of_ptr, sink_of_ptr, block, row,
+                              kv_head,
                               d, pos_ok, num_kv_heads, stride_pb, stride_ps, stride_ph, stride_pd, stride_vmb,
                               stride_vms, stride_vmh, stride_vmd, static_h, DIM, V_KIND, TOKEN_SCALE, QGROUP,
                               SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK)
@@ -539,20 +555,22 @@ def _sides(k_pool, v_pool, device):
         plan = st.plan or {}
         tail_of = plan.get("tail_of", st.tail_of).to(device)  # the plan's copy is already on the device
         fresh_of = plan["fresh_of"].to(device) if settle else tail_of
-        for keys, payload, scales, zeros, tail in ((True, st.k[L], st.k_scales[L], st.k_zeros[L], st.k_tail[L]),
-                                                   (False, st.v[L], st.v_scales[L], st.v_zeros[L], st.v_tail[L])):
+        for keys, payload, scales, zeros, tail in ((True, st.k[L], st.k_scales[L], st.k_zeros[L],
+                                                    st.k_tail[L]),
+                                                   (False, st.v[L], st.v_scales[L], st.v_zeros[L],
+                                                    st.v_tail[L])):
             fresh = st.fresh[1 if keys else 2] if settle else tail
-            sides.append(dict(payload=payload, scales=scales, zeros=zeros, static=payload, tail=tail.contiguous(),
-                              fresh=fresh.contiguous(), kind=3 if keys else 2))
-        shared = dict(fmt=fmt, static_h=0, tail_of=tail_of.contiguous(), fresh_of=fresh_of.contiguous(), kivi=True,
-                      settle=settle, residual=fmt.residual)
+            sides.append(dict(payload=payload, scales=scales, zeros=zeros, static=payload,
+                              tail=tail.contiguous(), fresh=fresh.contiguous(), kind=3 if keys else 2))
+        shared = dict(fmt=fmt, static_h=0, tail_of=tail_of.contiguous(), fresh_of=fresh_of.contiguous(),
+                      kivi=True, settle=settle, residual=fmt.residual)
     else:
         fmt = k_pool.fmt
         for pool in (k_pool, v_pool):
             scales, zeros, _ = _meta_args(pool)
             static, static_h = _static(pool)
-            sides.append(dict(payload=pool.payload, scales=scales, zeros=zeros, static=static, tail=pool.payload,
-                              fresh=pool.payload, kind=1 if fmt.kind == "fp8" else 2))
+            sides.append(dict(payload=pool.payload, scales=scales, zeros=zeros, static=static,
+                              tail=pool.payload, fresh=pool.payload, kind=1 if fmt.kind == "fp8" else 2))
         shared = dict(fmt=fmt, static_h=static_h, tail_of=sides[0]["payload"], fresh_of=sides[0]["payload"],
                       kivi=False, settle=False, residual=0)
     for side, keys in zip(sides, (True, False)):
@@ -572,7 +590,8 @@ def triton_quant_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, quer
     validate_pool(k_pool, v_pool)
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
     if q.dim() != 3 or q.shape[2] != head_dim or q.shape[1] % num_kv_heads:
-        raise ValueError(f"q must be [num_tokens, a multiple of {num_kv_heads} heads, {head_dim}], got {tuple(q.shape)}")
+        raise ValueError(f"q must be [num_tokens, a multiple of {num_kv_heads} heads, "
+                         f"{head_dim}], got {tuple(q.shape)}")
     if query_start_loc.dim() != 1 or query_start_loc.numel() != seq_lens.numel() + 1:
         raise ValueError(f"query_start_loc must have len(seq_lens)+1 = {seq_lens.numel() + 1} entries")
     if check:

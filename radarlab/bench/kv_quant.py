@@ -48,7 +48,8 @@ class Scheme:
 
 
 def default_schemes() -> tuple[Scheme, ...]:
-    rows = [Scheme(BASELINE, "fp32"), Scheme("16-bit (fp16)", SIXTEEN_BIT), Scheme("16-bit (bf16)", "bfloat16")]
+    rows = [Scheme(BASELINE, "fp32"), Scheme("16-bit (fp16)", SIXTEEN_BIT),
+            Scheme("16-bit (bf16)", "bfloat16")]
     for fmt in ("fp8_e4m3", "fp8_e5m2"):
         rows += [Scheme(f"{fmt} scale {rule}", fmt, rule) for rule in FP8_SCALE_RULES]
     rows += [Scheme("fp8_e4m3 scale 1.0, round toward zero (vLLM CPU)", "fp8_e4m3_rtz", "1.0"),
@@ -179,7 +180,8 @@ def record_qkv(model, token_ids, block_size: int) -> RecordingBackend:
     from radarlab.models.paged_runner import paged_prefill_logits
 
     rec = RecordingBackend(make_cache(model, Scheme(BASELINE, "fp32"), len(token_ids), block_size))
-    paged_prefill_logits(model, rec.cache, token_ids, logits_indices=torch.tensor([len(token_ids) - 1]), backend=rec)
+    paged_prefill_logits(model, rec.cache, token_ids, logits_indices=torch.tensor([len(token_ids) - 1]),
+                         backend=rec)
     return rec
 
 
@@ -218,7 +220,8 @@ def attention_error(model, scheme: Scheme, rec: RecordingBackend, block_size: in
     return sum(errs) / len(errs)
 
 
-def attention_outputs(model, scheme: Scheme, rec: RecordingBackend, block_size: int, scales: dict | None = None
+def attention_outputs(model, scheme: Scheme, rec: RecordingBackend, block_size: int,
+                      scales: dict | None = None
                       ) -> dict:
     """Each layer's attention output when its recorded q, K, V go through a cache of the scheme's format."""
     from radarlab.models.paged_runner import prefill_metadata
@@ -227,12 +230,14 @@ def attention_outputs(model, scheme: Scheme, rec: RecordingBackend, block_size: 
     cache = make_cache(model, scheme, num_tokens, block_size, scales)
     meta = prefill_metadata(cache, [0] * num_tokens)  # the token ids are not read here
     scale = model.config.head_dim ** -0.5
-    return {i: attention_forward(cache, i, q, k, v, meta, scale).float() for i, (q, k, v) in sorted(rec.inputs.items())}
+    return {i: attention_forward(cache, i, q, k, v, meta, scale).float() for i,
+            (q, k, v) in sorted(rec.inputs.items())}
 
 
 # --- bytes ------------------------------------------------------------------------------------------
 def byte_columns(config_dims, kv_cache_dtype: str, tokens: int) -> dict:
-    """bits per value, bytes per token (and at `tokens` context, residual window counted), saving vs 16-bit."""
+    """bits per value, bytes per token (and at `tokens` context, residual window counted), saving vs
+    16-bit."""
     from radarlab.kvcache.memory import kv_footprint
     from radarlab.quant.formats import kv_format
 
@@ -286,15 +291,15 @@ def concurrency(model, tokenizer_chunks, config: QuantBenchConfig, log=print) ->
 
     cfg = model.config
     dtype = next(model.parameters()).dtype
-    per_block_16 = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, config.block_size,
-                                                SIXTEEN_BIT, dtype)
+    per_block_16 = PagedKVCache.bytes_per_block(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                                config.block_size, SIXTEEN_BIT, dtype)
     blocks_per_request = cdiv(config.prompt_len + config.max_tokens, config.block_size)
     budget = config.budget_requests_16bit * blocks_per_request * per_block_16
     rows = []
     for kv_cache_dtype in config.concurrency_dtypes:
         row = concurrency_row(model, kv_cache_dtype, budget, tokenizer_chunks, config)
-        log(f"  concurrency {kv_cache_dtype}: {row['num_blocks']} blocks, at most {row['max_running']} running, "
-            f"{row['output_tokens_per_s']:.1f} tok/s")
+        log(f"  concurrency {kv_cache_dtype}: {row['num_blocks']} blocks, at most "
+            f"{row['max_running']} running, {row['output_tokens_per_s']:.1f} tok/s")
         rows.append(row)
     return rows
 
@@ -316,7 +321,8 @@ def run(config: QuantBenchConfig = QuantBenchConfig(), log=print, model=None, to
     total = config.num_chunks + config.calib_chunks
     chunks = corpus_chunks(tokenizer, total, config.chunk_len)
     evaluation, calibration = chunks[:config.num_chunks], chunks[config.num_chunks:]
-    log(f"corpus: {config.num_chunks} x {config.chunk_len} tokens scored, {config.calib_chunks} for calibration")
+    log(f"corpus: {config.num_chunks} x {config.chunk_len} tokens scored, "
+        f"{config.calib_chunks} for calibration")
     scales = calibrate_scales(model, calibration, config.block_size)
     rec = record_qkv(model, evaluation[0][:config.attn_tokens], config.block_size)
     reference = attention_outputs(model, Scheme(SIXTEEN_BIT, SIXTEEN_BIT), rec, config.block_size)
@@ -365,12 +371,14 @@ def _config_json(config: QuantBenchConfig) -> dict:
 
 
 def format_table(doc: dict) -> str:
-    lines = [f"{'scheme':<52} {'bits':>6} {'B/token':>8} {'saving':>7} {'ppl':>9} {'change':>9} {'attn err':>9}"]
+    lines = [f"{'scheme':<52} {'bits':>6} {'B/token':>8} {'saving':>7} {'ppl':>9} "
+             f"{'change':>9} {'attn err':>9}"]
     for r in doc["schemes"]:
         lines.append(f"{r['name']:<52} {r['bits']:>6.3g} {r['kv_bytes_per_token']:>8} {r['saving']:>7.1%} "
                      f"{r['ppl']:>9.4f} {_pct(r['ppl_delta_pct']):>9} {r['attn_err']:>9.2e}")
     if doc["concurrency"]:
-        lines += ["", f"{'format':<24} {'blocks':>7} {'max running':>12} {'mean':>6} {'preempt':>8} {'tok/s':>8}"]
+        lines += ["",
+                  f"{'format':<24} {'blocks':>7} {'max running':>12} {'mean':>6} {'preempt':>8} {'tok/s':>8}"]
         for c in doc["concurrency"]:
             lines.append(f"{c['kv_cache_dtype']:<24} {c['num_blocks']:>7} {c['max_running']:>12} "
                          f"{c['mean_running']:>6.2f} {c['preemptions']:>8} {c['output_tokens_per_s']:>8.1f}")
@@ -386,24 +394,25 @@ def format_fp8_full_run(path: Path, doc: dict) -> str:
     """A kept run (results/quant.json) as notebook 06 shows it: where it ran, its FP8 rows and its
     concurrency rows."""
     env, conf = doc["environment"], doc["config"]
-    lines = [f"{path.name}: {conf['num_chunks']} chunks x {conf['chunk_len']} tokens of {doc['corpus']['name']}; "
-             f"machine: {env['device']} ({env['device_name']}, {env['cpu_model']})",
+    lines = [f"{path.name}: {conf['num_chunks']} chunks x {conf['chunk_len']} tokens of "
+             f"{doc['corpus']['name']}; machine: {env['device']} ({env['device_name']}, {env['cpu_model']})",
              f"{'scheme':<52}{'bits':>6}{'saving':>8}{'perplexity':>12}{'change':>9}{'attn err':>10}"]
     for r in fp8_rows(doc):
         change = "-" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
         saving = "-" if r["kv_cache_dtype"] == "fp32" else f"{r['saving']:.0%}"
         lines.append(f"{r['name']:<52}{r['bits']:>6.3g}{saving:>8}{r['ppl']:>12.4f}{change:>9}{r['attn_err']:>10.2e}")
     for c in doc["concurrency"]:
-        lines.append(f"concurrency {c['kv_cache_dtype']:<12} {c['num_blocks']:>5} blocks, at most {c['max_running']} "
-                     f"running, {c['mean_running']:.2f} on average, {c['output_tokens_per_s']:.1f} tokens/s")
+        lines.append(f"concurrency {c['kv_cache_dtype']:<12} {c['num_blocks']:>5} blocks, "
+                     f"at most {c['max_running']} running, {c['mean_running']:.2f} on average, "
+                     f"{c['output_tokens_per_s']:.1f} tokens/s")
     return "\n".join(lines)
 
 
 def format_kept_source(path: Path, doc: dict) -> str:
     """Notebook 07's line naming a kept run: the file, its size and the machine."""
     env = doc["environment"]
-    return (f"{path.parent.name}/{path.name}: {doc['config']['num_chunks']} x {doc['config']['chunk_len']} tokens "
-            f"on {env['device']} ({env['cpu_model']})")
+    return (f"{path.parent.name}/{path.name}: {doc['config']['num_chunks']} x "
+            f"{doc['config']['chunk_len']} tokens on {env['device']} ({env['cpu_model']})")
 
 
 def format_pareto_rows(rows: list[dict]) -> str:
@@ -418,14 +427,17 @@ def format_pareto_rows(rows: list[dict]) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = QuantBenchConfig()
     parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
-    parser.add_argument("--quick", action="store_true", help="a small run (2 x 64 tokens, short requests) for tests")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small run (2 x 64 tokens, short requests) for tests")
     parser.add_argument("--num-chunks", type=int, default=None, help=f"chunks scored ({c.num_chunks})")
     parser.add_argument("--chunk-len", type=int, default=None, help=f"tokens per chunk ({c.chunk_len})")
     parser.add_argument("--schemes", default=None,
                         help="comma-separated kv_cache_dtype names to keep (default: every scheme)")
     parser.add_argument("--concurrency-dtypes", default=None,
-                        help=f"formats for the concurrency rows ({','.join(c.concurrency_dtypes)}); '' for none")
-    parser.add_argument("--num-requests", type=int, default=None, help=f"concurrency requests ({c.num_requests})")
+                        help="formats for the concurrency rows "
+                             f"({','.join(c.concurrency_dtypes)}); '' for none")
+    parser.add_argument("--num-requests", type=int, default=None,
+                        help=f"concurrency requests ({c.num_requests})")
     parser.add_argument("--model", default=None, help="HF model id or directory (default: the course model)")
 
 
@@ -443,7 +455,8 @@ def config_from_args(args: argparse.Namespace) -> QuantBenchConfig:
                              f"{sorted({s.kv_cache_dtype for s in config.schemes})}")
         changes["schemes"] = tuple(s for s in config.schemes if s.kv_cache_dtype in keep)
     if args.concurrency_dtypes is not None:
-        changes["concurrency_dtypes"] = tuple(x.strip() for x in args.concurrency_dtypes.split(",") if x.strip())
+        changes["concurrency_dtypes"] = tuple(x.strip() for x in args.concurrency_dtypes.split(",")
+                                              if x.strip())
     return replace(config, **changes)
 
 

@@ -47,7 +47,8 @@ from radarlab.util import cdiv, require_int, require_number
 
 # The CPU sweep, sized on a shared 2-core machine with one torch thread, where the engine completes at
 # most about 5 requests/s of this workload (results/latency.json): the top two rates overload it, and
-# the budget sweep's rate is just below that. A rate costs 200 / rate seconds or more: about 13 minutes in all.
+# the budget sweep's rate is just below that. A rate costs 200 / rate seconds or more: about 13 minutes
+# in all.
 DEFAULT_RATES = (1.0, 2.0, 3.0, 4.0, 6.0, 8.0)  # requests per second
 DEFAULT_NUM_REQUESTS = 200  # per rate: p99 of TTFT is then not simply the unluckiest request
 DEFAULT_MAX_NUM_SEQS = 16  # below the concurrency the top rates would need: there requests queue
@@ -82,7 +83,8 @@ class RequestTrace:
     request_id: int
     prompt_len: int
     arrival: float  # when the request arrived (the workload's schedule)
-    added: float | None = None  # when serve() handed it to the engine (>= arrival: it waits for a step to end)
+    # when serve() handed it to the engine (>= arrival: it waits for a step to end)
+    added: float | None = None
     token_times: list[float] = field(default_factory=list)  # when the step that sampled each token returned
     output_token_ids: list[int] = field(default_factory=list)
     finish: float | None = None
@@ -355,7 +357,8 @@ def run_rate(model, prompts, rate: float, config: LatencyBenchConfig, num_blocks
     """Serve the prompts at one request rate on a fresh engine; the summary dict plus the rate."""
     from radarlab.engine import Engine, SamplingParams
 
-    engine = Engine(model, num_blocks=num_blocks, block_size=config.block_size, max_num_seqs=config.max_num_seqs,
+    engine = Engine(model, num_blocks=num_blocks, block_size=config.block_size,
+                    max_num_seqs=config.max_num_seqs,
                     max_num_batched_tokens=config.max_num_batched_tokens, backend=config.backend)
     params = SamplingParams(max_tokens=config.output_len, ignore_eos=True)
     arrivals = poisson_arrivals(len(prompts), rate, config.seed)
@@ -414,7 +417,8 @@ def run_budget_sweep(config: LatencyBenchConfig, model=None, progress: Callable[
     for budget in config.budgets:
         c = replace(config, max_num_batched_tokens=budget)
         results.append({"max_num_batched_tokens": budget,
-                        **run_rate(model, prompts, config.budget_rate, c, c.blocks_for(prompts), clock, sleep)})
+                        **run_rate(model, prompts, config.budget_rate, c, c.blocks_for(prompts), clock,
+                                   sleep)})
         if progress is not None:
             progress(format_row(results[-1], key="max_num_batched_tokens"))
     return results
@@ -435,8 +439,10 @@ def report(config: LatencyBenchConfig, results: list[dict], budget_sweep: list[d
         "num_requests": config.num_requests,
         "output_len": config.output_len,
         "prompt_len_range": list(config.prompt_len_range),
-        "prompts": "random token ids, lengths uniform in prompt_len_range (inclusive), the same at every rate",
-        "arrivals": "Poisson: exponential gaps with mean 1/rate, seeded (same gaps scaled by 1/rate at each rate)",
+        "prompts": "random token ids, lengths uniform in prompt_len_range "
+                   "(inclusive), the same at every rate",
+        "arrivals": "Poisson: exponential gaps with mean 1/rate, seeded (same gaps "
+                    "scaled by 1/rate at each rate)",
         "ignore_eos": True,
         "seed": config.seed,
         "model": "SmolLM2-135M (course model)",
@@ -450,10 +456,11 @@ def report(config: LatencyBenchConfig, results: list[dict], budget_sweep: list[d
         "backend": config.backend,
         "torch_threads": torch.get_num_threads(),
         "percentiles": PERCENTILE_METHOD,
-        "ttft": "first token time - arrival time", "itl": "gaps between consecutive tokens, pooled over requests",
-        "concurrency": "time-weighted over the run, 0 to the last departure (idle counts as 0): in_system = arrived "
-                       "and not finished, running = in the step's batch, waiting = the difference; "
-                       "running_step_mean weighs every step the same",
+        "ttft": "first token time - arrival time",
+        "itl": "gaps between consecutive tokens, pooled over requests",
+        "concurrency": "time-weighted over the run, 0 to the last departure (idle counts "
+                       "as 0): in_system = arrived and not finished, running = in the step's batch, "
+                       "waiting = the difference; running_step_mean weighs every step the same",
         "littles_law": "over the same window: L = time-weighted in_system; lambda = arrivals / window; "
                        "W = mean arrival-to-departure time of those arrivals",
     }
@@ -503,12 +510,14 @@ def format_full_run(doc: dict) -> str:
     params, env = doc["parameters"], doc["environment"]
     load = env["load_average"]
     return "\n".join([
-        f"full sweep: {params['num_requests']} requests per rate, prompts of {params['prompt_len_range'][0]} to "
-        f"{params['prompt_len_range'][1]} tokens, {params['output_len']} new tokens each, {params['dtype']}, "
-        f"max_num_seqs {params['max_num_seqs']}, max_num_batched_tokens {params['max_num_batched_tokens']}",
+        f"full sweep: {params['num_requests']} requests per rate, prompts of "
+        f"{params['prompt_len_range'][0]} to {params['prompt_len_range'][1]} tokens, {params['output_len']} "
+        f"new tokens each, {params['dtype']}, max_num_seqs {params['max_num_seqs']}, max_num_batched_tokens "
+        f"{params['max_num_batched_tokens']}",
         f"machine: {env['device']} ({env['device_name']}, {env['platform']}), {env['cpu_count']} cores "
         f"shared with other work, {params['torch_threads']} torch thread(s); 1-minute load average "
-        f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end, {load['wall_s'] / 60:.0f} min",
+        f"{load['start'][0]:.1f} at the start, {load['end'][0]:.1f} at the end, "
+        f"{load['wall_s'] / 60:.0f} min",
         format_table(doc["results"]),
         f"\ntoken budget sweep at {params['budget_sweep_rate_req_s']:g} requests/s:",
         format_table(doc["budget_sweep"], key="max_num_batched_tokens"),
@@ -518,7 +527,8 @@ def format_full_run(doc: dict) -> str:
 # --- command line --------------------------------------------------------------------------------
 
 def default_scale() -> tuple[tuple[float, ...], int, float]:
-    """(rates, num_requests, budget_rate): the CPU sweep, or a bigger one when radarlab.device.full_scale()."""
+    """(rates, num_requests, budget_rate): the CPU sweep, or a bigger one when
+    radarlab.device.full_scale()."""
     from radarlab.device import full_scale
 
     if full_scale():
@@ -531,28 +541,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
     cpu_rates, gpu_rates = (",".join(f"{r:g}" for r in rates) for rates in (DEFAULT_RATES, FULL_SCALE_RATES))
     parser.add_argument("--rates", type=str, default=None,
-                        help=f"comma-separated request rates in req/s (CPU: {cpu_rates}; full scale: {gpu_rates})")
+                        help="comma-separated request rates in req/s (CPU: "
+                             f"{cpu_rates}; full scale: {gpu_rates})")
     parser.add_argument("--num-requests", type=int, default=None,
-                        help=f"requests per rate (CPU: {DEFAULT_NUM_REQUESTS}; full scale: {FULL_SCALE_NUM_REQUESTS})")
+                        help=f"requests per rate (CPU: {DEFAULT_NUM_REQUESTS}; full scale: "
+                             f"{FULL_SCALE_NUM_REQUESTS})")
     parser.add_argument("--output-len", type=int, default=c.output_len,
                         help="new tokens per request, EOS ignored (%(default)s)")
     parser.add_argument("--seed", type=int, default=c.seed, help="prompts and arrivals seed (%(default)s)")
     parser.add_argument("--dtype", default=c.dtype,
                         help="model and KV dtype: float32 (the fast path on CPU, default), bfloat16, float16")
     parser.add_argument("--num-blocks", type=int, default=None,
-                        help="KV pool blocks (default: every request at full length at once: memory is not the limit)")
-    parser.add_argument("--block-size", type=int, default=c.block_size, help="tokens per KV block (%(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs, help="most requests per step (%(default)s)")
+                        help="KV pool blocks (default: every request at full length at "
+                             "once: memory is not the limit)")
+    parser.add_argument("--block-size", type=int, default=c.block_size,
+                        help="tokens per KV block (%(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs,
+                        help="most requests per step (%(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
                         help="token budget per step of the rate sweep (%(default)s)")
     parser.add_argument("--budgets", type=str, default=",".join(map(str, DEFAULT_BUDGETS)),
-                        help="comma-separated max_num_batched_tokens of the budget sweep, or 'none' to skip it "
-                             "(%(default)s)")
+                        help="comma-separated max_num_batched_tokens of the budget "
+                             "sweep, or 'none' to skip it (%(default)s)")
     parser.add_argument("--budget-rate", type=float, default=None,
                         help=f"request rate of the budget sweep (CPU: {DEFAULT_BUDGET_RATE:g}; "
                              f"full scale: {FULL_SCALE_BUDGET_RATE:g})")
     parser.add_argument("--backend", default=c.backend, help="paged attention: torch or triton (%(default)s)")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads (default: torch's choice)")
 
 
 def _parse_list(flag: str, text: str, kind: type) -> tuple:
@@ -589,12 +605,14 @@ def main(args: argparse.Namespace) -> int:
     results = run(config, model, progress=lambda row: print(row, flush=True))
     budget_sweep = None
     if config.budgets:
-        print(f"\nbudget sweep at {config.budget_rate:g} requests/s\n{header('max_num_batched_tokens')}", flush=True)
+        print(f"\nbudget sweep at {config.budget_rate:g} requests/s\n{header('max_num_batched_tokens')}",
+              flush=True)
         budget_sweep = run_budget_sweep(config, model, progress=lambda row: print(row, flush=True))
     load = {"start": load_start, "end": list(os.getloadavg()), "wall_s": time.perf_counter() - t0,
             "note": "os.getloadavg(): 1, 5 and 15-minute load averages; above cpu_count, other work "
                     "competed for the cores"}
-    doc = report(config, results, budget_sweep, config.blocks_for(config.prompts(model.config.vocab_size)), load)
+    doc = report(config, results, budget_sweep, config.blocks_for(config.prompts(model.config.vocab_size)),
+                 load)
     if args.json:
         write_json(args.json, doc)
     return 0

@@ -51,11 +51,13 @@ def op_breakdown(fn: Callable[[], object], repeat: int = 1) -> dict:
 
 
 # Ops that only make a new view of the same memory: on a GPU they launch nothing.
-VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view", "aten::slice",
+VIEW_OPS = frozenset({"aten::view", "aten::reshape", "aten::_reshape_alias", "aten::_unsafe_view",
+                      "aten::slice",
                       "aten::select", "aten::expand", "aten::as_strided", "aten::unsqueeze", "aten::squeeze",
                       "aten::t", "aten::transpose", "aten::permute", "aten::detach", "aten::alias",
                       "aten::unflatten", "aten::flatten", "aten::split", "aten::chunk", "aten::narrow",
-                      "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
+                      "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided",
+                      "aten::lift_fresh",
                       "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::is_nonzero"})
 
 

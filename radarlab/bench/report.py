@@ -45,7 +45,8 @@ def kept_by_kind(prefix: str, folder: str | Path | None = None) -> dict[str, Pat
     from radarlab.device import cpu_kinds
 
     folder = results_dir() if folder is None else Path(folder)
-    return {kind: folder / f"{prefix}-{kind}.json" for kind in cpu_kinds() if (folder / f"{prefix}-{kind}.json").is_file()}
+    return {kind: folder / f"{prefix}-{kind}.json" for kind in cpu_kinds()
+            if (folder / f"{prefix}-{kind}.json").is_file()}
 
 
 def choose_kept_run(prefix: str, kind: str, what: str, how: str, folder: str | Path | None = None
@@ -62,9 +63,10 @@ def choose_kept_run(prefix: str, kind: str, what: str, how: str, folder: str | P
     if kind in kept:
         return kept[kind], json.loads(kept[kind].read_text()), None
     if not kept:
-        return None, None, f"This CPU is of kind {kind!r}, and results/ keeps no {what} run from any kind of CPU. {how}"
+        return None, None, (f"This CPU is of kind {kind!r}, and results/ keeps no {what} run from any "
+                            f"kind of CPU. {how}")
     other, path = next(iter(kept.items()))
     return path, json.loads(path.read_text()), (
         f"This CPU is of kind {kind!r}, and results/ keeps no {what} run from that kind: the run shown, "
-        f"{path.name}, is from a CPU of kind {other!r}. Only its ratios compare with this machine; its absolute "
-        f"figures belong to that CPU. {how}")
+        f"{path.name}, is from a CPU of kind {other!r}. Only its ratios compare with "
+        f"this machine; its absolute figures belong to that CPU. {how}")

@@ -54,8 +54,8 @@ class SpecBenchConfig:
     repeats: int = 1  # runs per cell; the fastest counts
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "draft_k",
-                     "repeats"):
+        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                     "draft_k", "repeats"):
             require_int(name, getattr(self, name))
         require_int("seed", self.seed, minimum=0)
         if self.prompt_lookup_min > self.prompt_lookup_max:
@@ -105,7 +105,8 @@ def fastest(runs: list[SpecRun]) -> SpecRun:
     if not runs:
         raise ValueError("no runs")
     if any(r.outputs != runs[0].outputs for r in runs):
-        raise ValueError("repeats of one cell gave different outputs: greedy decoding is not deterministic here")
+        raise ValueError("repeats of one cell gave different outputs: greedy decoding "
+                         "is not deterministic here")
     return min(runs, key=lambda r: r.seconds)
 
 
@@ -126,7 +127,8 @@ def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[di
     from radarlab.models.llama import Llama
 
     model, tokenizer = Llama.from_pretrained(None, dtype=torch.float32)
-    prompts = {w: workload_prompts(tokenizer, w, max(config.batch_sizes), config.seed) for w in config.workloads}
+    prompts = {w: workload_prompts(tokenizer, w, max(config.batch_sizes),
+                                   config.seed) for w in config.workloads}
     cases = [(w, b) for w in config.workloads for b in config.batch_sizes]
     results, info, outputs = [], {}, {}
 
@@ -143,7 +145,8 @@ def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[di
         if "radarlab" in config.systems:
             run_radarlab_spec(model, prompts[cases[0][0]][:2], 4, spec)  # warm-up
             for w, b in cases:
-                record("radarlab", method, w, [run_radarlab_spec(model, prompts[w][:b], config.max_tokens, spec)
+                record("radarlab", method, w,
+                       [run_radarlab_spec(model, prompts[w][:b], config.max_tokens, spec)
                                                for _ in range(config.repeats)])
         if "vllm" in config.systems:
             R = config.repeats
@@ -157,7 +160,8 @@ def run(config: SpecBenchConfig = SpecBenchConfig(), log=print) -> tuple[list[di
 def speedups(results: list[dict]) -> list[dict]:
     """Each speculative row's tokens/s over the same system's plain decoding at the same workload and
     batch size."""
-    plain = {(r["system"], r["workload"], r["batch_size"]): r["tokens_per_s"] for r in results if r["method"] == "none"}
+    plain = {(r["system"], r["workload"],
+              r["batch_size"]): r["tokens_per_s"] for r in results if r["method"] == "none"}
     out = []
     for r in results:
         base = plain.get((r["system"], r["workload"], r["batch_size"]))
@@ -199,8 +203,9 @@ def report(config: SpecBenchConfig, results: list[dict], info: dict) -> dict:
     env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
     params = asdict(config)
     params["draft"] = (f"draft_model with {config.draft_model} as the draft" if config.draft_model else
-                       "eagle: the trained head (radarlab.spec_decode.draft_head.TRAINED_HEAD); radarlab ranks its "
-                       "draft vocabulary, vLLM the full vocabulary")
+                       "eagle: the trained head "
+                       "(radarlab.spec_decode.draft_head.TRAINED_HEAD); radarlab ranks its draft "
+                       "vocabulary, vLLM the full vocabulary")
     ups = speedups(results)
     return {"benchmark": "spec", "parameters": params, "environment": env, "results": results,
             "speedups": ups, "outputs_equal": equal_outputs(info.get("outputs", {})), "goal": goal(ups)}
@@ -234,8 +239,8 @@ def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, 
     results/spec-KIND.json or another kind's (radarlab.bench.report.choose_kept_run). The sentence,
     None for this kind's own run, says whose run it is and that only its speedups compare."""
     return choose_kept_run("spec", kind, "speculative-decoding",
-                           f"`python -m radarlab.bench spec --json results/spec-{kind}.json`, on a quiet machine, "
-                           f"writes one for this CPU.", folder)
+                           "`python -m radarlab.bench spec --json "
+                           f"results/spec-{kind}.json`, on a quiet machine, writes one for this CPU.", folder)
 
 
 def format_ngram_speedups(path: Path, doc: dict) -> str:
@@ -250,7 +255,8 @@ def format_ngram_speedups(path: Path, doc: dict) -> str:
 def speedup_curves(doc: dict) -> dict[tuple[str, str, str], list[tuple[int, float]]]:
     """(system, method, workload) -> [(batch size, tokens/s over the same system's plain decoding)],
     from the result rows (notebook 09's table and plot)."""
-    tps = {(r["system"], r["method"], r["workload"], r["batch_size"]): r["tokens_per_s"] for r in doc["results"]}
+    tps = {(r["system"], r["method"], r["workload"],
+            r["batch_size"]): r["tokens_per_s"] for r in doc["results"]}
     curves: dict = {}
     for (system, method, workload, b), v in tps.items():
         base = tps.get((system, "none", workload, b))
@@ -262,8 +268,8 @@ def speedup_curves(doc: dict) -> dict[tuple[str, str, str], list[tuple[int, floa
 def format_run_header(path: Path, doc: dict) -> str:
     """Notebook 09's line above the speedups: the CPU, threads, request length and batch sizes of the run."""
     env, par = doc["environment"], doc["parameters"]
-    return (f"{path.name}: {env['cpu_model']}, {env['torch_threads']} thread(s), {par['max_tokens']} tokens a "
-            f"request, batch sizes {par['batch_sizes']}")
+    return (f"{path.name}: {env['cpu_model']}, {env['torch_threads']} thread(s), "
+            f"{par['max_tokens']} tokens a request, batch sizes {par['batch_sizes']}")
 
 
 def format_speedup_curves(doc: dict) -> str:
@@ -291,15 +297,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
     parser.add_argument("--workloads", default=",".join(c.workloads), help="(%(default)s)")
     parser.add_argument("--methods", default=",".join(c.methods), help="(%(default)s)")
-    parser.add_argument("--systems", default=",".join(c.systems), help="(%(default)s); vllm needs `make vllm`")
-    parser.add_argument("--max-tokens", type=int, default=c.max_tokens, help="new tokens per request (%(default)s)")
+    parser.add_argument("--systems", default=",".join(c.systems),
+                        help="(%(default)s); vllm needs `make vllm`")
+    parser.add_argument("--max-tokens", type=int, default=c.max_tokens,
+                        help="new tokens per request (%(default)s)")
     parser.add_argument("--num-speculative-tokens", type=int, default=c.num_speculative_tokens,
                         help="n-gram k (%(default)s)")
     parser.add_argument("--prompt-lookup-min", type=int, default=c.prompt_lookup_min, help="(%(default)s)")
     parser.add_argument("--prompt-lookup-max", type=int, default=c.prompt_lookup_max, help="(%(default)s)")
     parser.add_argument("--draft-k", type=int, default=c.draft_k, help="k of method draft (%(default)s)")
     parser.add_argument("--draft-model", default=None,
-                        help="a Llama directory: method draft runs vLLM's draft_model with it, not the trained EAGLE head")
+                        help="a Llama directory: method draft runs vLLM's draft_model with it, "
+                             "not the trained EAGLE head")
     parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
     parser.add_argument("--repeats", type=int, default=c.repeats,
                         help="runs per cell, the fastest counts (%(default)s)")
@@ -330,7 +339,8 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(doc))
     g = doc["goal"]
     if g["met"] is not None:
-        print(f"n-gram speedup, copy, batch 1: radarlab {g['radarlab_speedup']:.2f}x, vLLM {g['vllm_speedup']:.2f}x")
+        print(f"n-gram speedup, copy, batch 1: radarlab {g['radarlab_speedup']:.2f}x, "
+              f"vLLM {g['vllm_speedup']:.2f}x")
     if args.json:
         write_json(args.json, doc)
     return 0

@@ -29,8 +29,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, results_dir
-from radarlab.lab.workload import random_token_prompts
 from radarlab.lab.roofline import TransformerDims, decode_step
+from radarlab.lab.workload import random_token_prompts
 from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
@@ -61,20 +61,22 @@ def format_run_header(path: Path, doc: dict) -> str:
     """The line above a kept run's table: the machine and versions it ran with."""
     env = doc["environment"]
     vllm = env.get("vllm_vllm_version") or "not run"
-    return (f"full run ({path.name}): {env['cpu_model']}, kind {env['cpu_kind']}, radarlab {env['radarlab']}, "
-            f"torch {env['torch']} with {env['torch_threads']} threads ({env['cpu_capability']}, native bf16: "
-            f"{env['cpu_native_bf16']}), vLLM {vllm}")
+    return (f"full run ({path.name}): {env['cpu_model']}, kind {env['cpu_kind']}, "
+            f"radarlab {env['radarlab']}, torch {env['torch']} with {env['torch_threads']} threads "
+            f"({env['cpu_capability']}, native bf16: {env['cpu_native_bf16']}), vLLM {vllm}")
 
 
 def format_ratios(path: Path, doc: dict) -> str:
-    """One line per (dtype, batch size) of a kept run: radarlab over the other systems (notebook 05's summary)."""
+    """One line per (dtype, batch size) of a kept run: radarlab over the other systems (notebook 05's
+    summary)."""
     lines = []
     for row in doc["ratios"]:
         parts = [f"radarlab / {label} {row[key]:.2f}x" for key, label in
-                 (("radarlab_over_transformers", "transformers"), ("radarlab_over_vllm", "vLLM")) if key in row]
+                 (("radarlab_over_transformers", "transformers"),
+                  ("radarlab_over_vllm", "vLLM")) if key in row]
         own = row.get("radarlab_over_radarlab_torch")
-        lines.append(f"throughput ({path.name}), {row['dtype']} batch {row['batch_size']}: " + ", ".join(parts)
-                     + (f", C++ operators on / off {own:.2f}x" if own else ""))
+        lines.append(f"throughput ({path.name}), {row['dtype']} batch {row['batch_size']}: "
+                     + ", ".join(parts) + (f", C++ operators on / off {own:.2f}x" if own else ""))
     return "\n".join(lines)
 
 
@@ -82,7 +84,8 @@ def dtype_notes(native_bf16: bool | None) -> dict[str, str]:
     """The dtype tricks a reader must know to read a row, by dtype: on a CPU without bf16
     instructions, radarlab's bf16 matmuls of 16+ rows run in fp32 (radarlab.models.linear)."""
     if native_bf16 is False:
-        return {"bfloat16": "radarlab's bf16 matmuls of 16+ rows run in fp32: this CPU has no bf16 instructions"}
+        return {"bfloat16": "radarlab's bf16 matmuls of 16+ rows run in fp32: this "
+                            "CPU has no bf16 instructions"}
     return {}
 
 
@@ -106,7 +109,8 @@ class ThroughputConfig:
             require_int(name, getattr(self, name))
         require_int("seed", self.seed, minimum=0)
         if self.min_prompt_len > self.max_prompt_len:
-            raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above max_prompt_len ({self.max_prompt_len})")
+            raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above "
+                             f"max_prompt_len ({self.max_prompt_len})")
         if not self.batch_sizes:
             raise ValueError("batch_sizes is empty")
         for b in self.batch_sizes:
@@ -144,7 +148,8 @@ def _count(outputs: list[list[int]], expected: int, system: str) -> int:
     """Every request must have produced exactly max_tokens tokens, or the comparison is unfair."""
     short = [i for i, o in enumerate(outputs) if len(o) != expected]
     if short:
-        raise RuntimeError(f"{system}: request {short[0]} produced {len(outputs[short[0]])} tokens, expected {expected}")
+        raise RuntimeError(f"{system}: request {short[0]} produced {len(outputs[short[0]])} "
+                           f"tokens, expected {expected}")
     return sum(len(o) for o in outputs)
 
 
@@ -181,8 +186,8 @@ def time_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], con
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p):] = torch.tensor(p)
         attention_mask[i, width - len(p):] = 1
-    gen = GenerationConfig(max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens, do_sample=False,
-                           pad_token_id=pad_token_id, eos_token_id=None)
+    gen = GenerationConfig(max_new_tokens=config.max_tokens, min_new_tokens=config.max_tokens,
+                           do_sample=False, pad_token_id=pad_token_id, eos_token_id=None)
     with torch.inference_mode():
         t0 = time.perf_counter()
         out = hf_model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=gen)
@@ -231,7 +236,8 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
         hf_model, tokenizer = load_hf(config.model, dtype=dtype)
         info["dims"] = asdict(TransformerDims.from_config(hf_model.config))
         vocab = hf_model.config.vocab_size
-        prompt_sets = [random_token_prompts(b, vocab, (config.min_prompt_len, config.max_prompt_len), config.seed)
+        prompt_sets = [random_token_prompts(b, vocab, (config.min_prompt_len, config.max_prompt_len),
+                                            config.seed)
                        for b in config.batch_sizes]  # batch size B gets the first B prompts
 
         def record(system, prompts, runs):
@@ -309,8 +315,8 @@ def goal(measurements: list[Measurement]) -> dict:
     return {"goal": GOAL, "by_dtype": out}
 
 
-def limits(config: ThroughputConfig, measurements: list[Measurement], dims: TransformerDims, peak_flops: float,
-           bandwidth: float) -> list[dict]:
+def limits(config: ThroughputConfig, measurements: list[Measurement], dims: TransformerDims,
+           peak_flops: float, bandwidth: float) -> list[dict]:
     """How close each measurement comes to this machine's roofline (notebook 01).
 
     A decode step of batch B reads the weights once and every sequence's KV (lab.roofline); its
@@ -327,18 +333,19 @@ def limits(config: ThroughputConfig, measurements: list[Measurement], dims: Tran
         step_s = m.batch_size / m.tokens_per_s
         rows.append({"system": m.system, "dtype": m.dtype, "batch_size": m.batch_size, "context": context,
                      "bytes_per_step": step.bytes, "flops_per_step": step.flops,
-                     "achieved_gb_s": step.bytes / step_s / 1e9, "bandwidth_fraction": step.bytes / step_s / bandwidth,
-                     "achieved_gflop_s": step.flops / step_s / 1e9, "flops_fraction": step.flops / step_s / peak_flops})
+                     "achieved_gb_s": step.bytes / step_s / 1e9,
+                     "bandwidth_fraction": step.bytes / step_s / bandwidth,
+                     "achieved_gflop_s": step.flops / step_s / 1e9,
+                     "flops_fraction": step.flops / step_s / peak_flops})
     return rows
 
 
 def report(config: ThroughputConfig, measurements: list[Measurement], info: dict, balance=None) -> dict:
     """The JSON document; with balance (lab.measure.MachineBalance, measured in the same run) and
     the model's dims in info, also each measurement's place on this machine's roofline."""
-    from radarlab.lab.machine import environment
-
     import torch
 
+    from radarlab.lab.machine import environment
     from radarlab.models.linear import cpu_has_native_half
 
     env = environment()
@@ -350,7 +357,8 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
     params = asdict(config)
     params["workload"] = ("random token ids, lengths uniform in [min_prompt_len, max_prompt_len], greedy, "
-                          "EOS ignored, all requests submitted at once; batch size B uses the first B prompts")
+                          "EOS ignored, all requests submitted at once; batch size "
+                          "B uses the first B prompts")
     doc = {
         "benchmark": "throughput",
         "parameters": params,
@@ -378,7 +386,8 @@ def cpu_ops_status() -> dict:
     except CpuOpsUnavailable as err:
         return {"built": False, "reason": str(err)}
     return {"built": True, "march": os.environ.get("RADARLAB_CPU_MARCH", "native"),
-            "operators": ["paged_decode", "reshape_and_cache", "rms_norm", "silu_and_mul", "rotary_embedding"]}
+            "operators": ["paged_decode", "reshape_and_cache", "rms_norm", "silu_and_mul",
+                          "rotary_embedding"]}
 
 
 def format_table(doc: dict) -> str:
@@ -394,26 +403,31 @@ def format_table(doc: dict) -> str:
         lines.append(f"output tokens/s, {dtype}{trick}")
         lines.append(f"{'batch size':>22}" + "".join(f"{b:>9}" for b in sizes))
         for s in systems:
-            vals = {r["batch_size"]: r["tokens_per_s"] for r in res if r["system"] == s and r["dtype"] == dtype}
-            lines.append(f"{s:>22}" + "".join(f"{vals[b]:>9.1f}" if b in vals else f"{'-':>9}" for b in sizes))
+            vals = {r["batch_size"]: r["tokens_per_s"] for r in res
+                    if r["system"] == s and r["dtype"] == dtype}
+            lines.append(f"{s:>22}" + "".join(f"{vals[b]:>9.1f}" if b in vals else f"{'-':>9}"
+                                              for b in sizes))
         for other in systems[1:]:
             key = f"radarlab_over_{other}"
             vals = {r["batch_size"]: r[key] for r in doc["ratios"] if r["dtype"] == dtype and key in r}
-            lines.append(f"{'radarlab / ' + other:>22}" + "".join(f"{vals[b]:>8.2f}x" if b in vals else f"{'-':>9}"
-                                                                  for b in sizes))
+            lines.append(f"{'radarlab / ' + other:>22}"
+                         + "".join(f"{vals[b]:>8.2f}x" if b in vals else f"{'-':>9}" for b in sizes))
         for row in doc.get("limits", []):
-            if row["system"] == "radarlab" and row["dtype"] == dtype and row["batch_size"] in (sizes[0], sizes[-1]):
+            if row["system"] == "radarlab" and row["dtype"] == dtype and row["batch_size"] in (sizes[0],
+                                                                                               sizes[-1]):
                 lines.append(f"radarlab batch {row['batch_size']}: {row['achieved_gb_s']:.1f} GB/s read "
                              f"({row['bandwidth_fraction']:.0%} of this machine's read bandwidth), "
-                             f"{row['achieved_gflop_s']:.1f} GFLOP/s ({row['flops_fraction']:.0%} of its fp32 GEMM)")
+                             f"{row['achieved_gflop_s']:.1f} GFLOP/s "
+                             f"({row['flops_fraction']:.0%} of its fp32 GEMM)")
         lines.append("")
     return "\n".join(lines).rstrip()
 
 
 def format_goal(doc: dict) -> str:
     """The project's goal per dtype, for the maintainers' command line (notebooks leave it out)."""
-    return "\n".join(f"goal, {dtype}: >= 1.0x transformers everywhere: {_yes(g.get('at_least_transformers'))}; "
-                     f">= 1.0x vLLM everywhere: {_yes(g.get('at_least_vllm'))}"
+    return "\n".join(f"goal, {dtype}: >= 1.0x transformers everywhere: "
+                     f"{_yes(g.get('at_least_transformers'))}; >= 1.0x vLLM everywhere: "
+                     f"{_yes(g.get('at_least_vllm'))}"
                      for dtype, g in doc["goal"]["by_dtype"].items())
 
 
@@ -428,12 +442,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtypes", default=",".join(c.dtypes), help="(%(default)s)")
     parser.add_argument("--systems", default=",".join(c.systems),
                         help="(%(default)s); vllm needs `make vllm`")
-    parser.add_argument("--max-tokens", type=int, default=c.max_tokens, help="new tokens per request (%(default)s)")
+    parser.add_argument("--max-tokens", type=int, default=c.max_tokens,
+                        help="new tokens per request (%(default)s)")
     parser.add_argument("--min-prompt-len", type=int, default=c.min_prompt_len, help="(%(default)s)")
     parser.add_argument("--max-prompt-len", type=int, default=c.max_prompt_len, help="(%(default)s)")
     parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
     parser.add_argument("--model", default=None, help="HF model id or directory (default: the course model)")
-    parser.add_argument("--block-size", type=int, default=c.block_size, help="radarlab block size (%(default)s)")
+    parser.add_argument("--block-size", type=int, default=c.block_size,
+                        help="radarlab block size (%(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
                         help="radarlab's token budget per step (%(default)s)")
     parser.add_argument("--repeats", type=int, default=c.repeats,
@@ -443,9 +459,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:
     """Raises ValueError naming the bad field (python -m radarlab.bench names its flag)."""
     return ThroughputConfig(batch_sizes=comma_ints("batch-sizes", args.batch_sizes),
-                            dtypes=comma_names(args.dtypes), systems=comma_names(args.systems), max_tokens=args.max_tokens,
-                            min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len, seed=args.seed,
-                            model=args.model, block_size=args.block_size,
+                            dtypes=comma_names(args.dtypes), systems=comma_names(args.systems),
+                            max_tokens=args.max_tokens,
+                            min_prompt_len=args.min_prompt_len, max_prompt_len=args.max_prompt_len,
+                            seed=args.seed, model=args.model, block_size=args.block_size,
                             max_num_batched_tokens=args.max_num_batched_tokens, repeats=args.repeats)
 
 

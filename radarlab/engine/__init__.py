@@ -10,4 +10,5 @@ from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.sample.sampling_params import SamplingParams
 
-__all__ = ["Engine", "RequestOutput", "SamplingParams", "Request", "RequestStatus", "Scheduler", "SchedulerOutput"]
+__all__ = ["Engine", "RequestOutput", "SamplingParams", "Request", "RequestStatus", "Scheduler",
+           "SchedulerOutput"]

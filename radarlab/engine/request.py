@@ -6,8 +6,8 @@ from typing import Hashable
 
 import torch
 
-from radarlab.sample.sampling_params import SamplingParams
 from radarlab.kvcache.sequence import Sequence
+from radarlab.sample.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -60,6 +60,7 @@ def chi_square_power(true_probs: Sequence[float], probs: Sequence[float], n: int
     spread = 12 * math.sqrt(half + 1)
     power = 0.0
     for j in range(max(0, int(half - spread)), int(half + spread) + 2):
-        log_weight = -half + (j * math.log(half) if half > 0 else (0.0 if j == 0 else -math.inf)) - math.lgamma(j + 1)
+        log_weight = (-half + (j * math.log(half) if half > 0 else (0.0 if j == 0 else -math.inf))
+                      - math.lgamma(j + 1))
         power += math.exp(log_weight) * chi_square_sf(c, df + 2 * j)
     return min(1.0, power)

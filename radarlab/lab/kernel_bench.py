@@ -55,7 +55,8 @@ class PagedBatch:
         slots = []
         for b, (seq_len, n) in enumerate(zip(self.seq_lens.tolist(), self.query_lens)):
             pos = torch.arange(seq_len - n, seq_len, device=self.block_tables.device)
-            slots.append(self.block_tables[b, pos // self.block_size].long() * self.block_size + pos % self.block_size)
+            slots.append(self.block_tables[b, pos // self.block_size].long() * self.block_size
+                         + pos % self.block_size)
         return torch.cat(slots)
 
     def reference(self) -> torch.Tensor:
@@ -85,7 +86,8 @@ def random_paged_batch(seq_lens: Sequence[int], query_lens: Sequence[int] | None
         raise ValueError(f"query_lens has {len(query_lens)} entries, seq_lens has {len(seq_lens)}")
     for b, (s, n) in enumerate(zip(seq_lens, query_lens)):
         if s < 1 or not 0 <= n <= s:
-            raise ValueError(f"sequence {b}: need seq_len >= 1 and 0 <= query_len <= seq_len, got {s} and {n}")
+            raise ValueError(f"sequence {b}: need seq_len >= 1 and 0 <= query_len "
+                             f"<= seq_len, got {s} and {n}")
     require_power_of_two("block_size", block_size)
     _check_decode_shape(seq_lens, num_heads, num_kv_heads, head_dim)
 
@@ -209,7 +211,7 @@ def measure_decode_bandwidth(contexts: Sequence[int], batch: int, num_heads: int
         nbytes = decode_bytes([context] * batch, num_heads, num_kv_heads, head_dim, block_size,
                               b.k_cache.element_size(), b.block_tables.element_size())
         rows.append(DecodeBandwidth(batch, context, nbytes, best_ms, best_tile, torch_ms, error))
-        del b, args, out
+        b = args = out = None  # freed before the next context (not del: the lambdas above read args, out)
         if str(device).startswith("cuda"):
             torch.cuda.empty_cache()
     return rows
@@ -272,8 +274,8 @@ def _max_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 def _check_store_kv(b: PagedBatch, device) -> tuple[float, float, float]:
     """triton_reshape_and_cache against the torch write, on two copies of one pool: the pools after
     the write must be identical (a copy has no rounding). The new K/V go to the query tokens' slots."""
-    from radarlab.attention.triton_paged import triton_reshape_and_cache
     from radarlab.attention.kv_write import reshape_and_cache
+    from radarlab.attention.triton_paged import triton_reshape_and_cache
 
     slots = b.slot_mapping()
     gen = torch.Generator(device=device).manual_seed(1)
@@ -321,18 +323,23 @@ def _check_decode_split(b: PagedBatch, device, tiles: Sequence[int],
                 _max_error(out, split_kv_decode_torch(*args, partition_size=partition_size)))
     max_seq_len = int(b.seq_lens.max())  # read once here, so the timed calls do not sync
     split_ms = _best_ms(lambda tile: triton_paged_decode_split(*args, partition_size=partition_size, out=out,
-                                                               tile_n=tile, max_seq_len=max_seq_len, check=False),
+                                                               tile_n=tile, max_seq_len=max_seq_len,
+                                                               check=False),
                         tiles, device)
-    unsplit_ms = _best_ms(lambda tile: triton_paged_decode(*args, out=out, tile_n=tile, check=False), tiles, device)
+    unsplit_ms = _best_ms(lambda tile: triton_paged_decode(*args, out=out, tile_n=tile, check=False), tiles,
+                          device)
     torch_ms = time_ms(lambda: paged_decode_torch(*args, check=False), device)
     return error, split_ms, torch_ms, unsplit_ms
 
 
-def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32, 8192), (128, 2048), (4, 16384)),
+def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32, 8192), (128, 2048),
+                                                       (4, 16384)),
                   dtypes: Sequence[torch.dtype] = (torch.bfloat16, torch.float32),
-                  kernels: Sequence[str] = KERNELS, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+                  kernels: Sequence[str] = KERNELS, num_heads: int = 9, num_kv_heads: int = 3,
+                  head_dim: int = 64,
                   block_size: int = 16, prefill_tokens: int = 512, device: str | torch.device = "cuda",
-                  tiles: Sequence[int] = (16, 32, 64), seed: int = 0, partition_size: int = 512) -> list[KernelCheck]:
+                  tiles: Sequence[int] = (16, 32, 64), seed: int = 0,
+                  partition_size: int = 512) -> list[KernelCheck]:
     """Each kernel of triton_paged.py against its torch counterpart, for each (batch, context) shape.
 
     store_kv writes one new token per sequence (a decode step's write) and must match the torch write
@@ -359,24 +366,26 @@ def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32
             for kernel in kernels:
                 query_len = min(prefill_tokens, context) if kernel == "prefill" else 1
                 if kernel == "decode":
-                    d = measure_decode_bandwidth([context], batch, num_heads, num_kv_heads, head_dim, block_size,
-                                                 dtype, device, tiles, seed)[0]
+                    d = measure_decode_bandwidth([context], batch, num_heads, num_kv_heads, head_dim,
+                                                 block_size, dtype, device, tiles, seed)[0]
                     rows.append(KernelCheck(kernel, name, batch, context, 1, d.max_error, tolerance(dtype),
                                             d.triton_ms, d.torch_ms, d.nbytes))
                     continue
-                b = random_paged_batch([context] * batch, [query_len] * batch, block_size, num_heads, num_kv_heads,
-                                       head_dim, seed=seed, device=device, dtype=dtype)
+                b = random_paged_batch([context] * batch, [query_len] * batch, block_size, num_heads,
+                                       num_kv_heads, head_dim, seed=seed, device=device, dtype=dtype)
                 if kernel == "decode_split":
-                    error, triton_ms, torch_ms, unsplit_ms = _check_decode_split(b, device, tiles, partition_size)
+                    error, triton_ms, torch_ms, unsplit_ms = _check_decode_split(b, device, tiles,
+                                                                                 partition_size)
                     nbytes = decode_bytes([context] * batch, num_heads, num_kv_heads, head_dim, block_size,
                                           b.k_cache.element_size(), b.block_tables.element_size())
-                    rows.append(KernelCheck(kernel, name, batch, context, 1, error, tolerance(dtype), triton_ms,
-                                            torch_ms, nbytes, unsplit_ms))
+                    rows.append(KernelCheck(kernel, name, batch, context, 1, error, tolerance(dtype),
+                                            triton_ms, torch_ms, nbytes, unsplit_ms))
                 else:
                     check = _check_store_kv if kernel == "store_kv" else _check_prefill
                     error, triton_ms, torch_ms = check(b, device)
                     rows.append(KernelCheck(kernel, name, batch, context, query_len, error,
-                                            0.0 if kernel == "store_kv" else tolerance(dtype), triton_ms, torch_ms))
+                                            0.0 if kernel == "store_kv" else tolerance(dtype), triton_ms,
+                                            torch_ms))
                 del b
                 if str(device).startswith("cuda"):
                     torch.cuda.empty_cache()
@@ -386,21 +395,25 @@ def check_kernels(shapes: Sequence[tuple[int, int]] = ((8, 512), (32, 2048), (32
 def format_kernel_checks(rows: Sequence[KernelCheck]) -> str:
     """The table gpu_check.sh prints: agreement first, then the times."""
     lines = [f"{'kernel':>12} {'dtype':>8} {'batch':>5} {'context':>7} {'new':>5} {'max err':>8} {'tol':>7} "
-             f"{'match':>5} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} {'triton GB/s':>11} {'vs decode':>9}"]
+             f"{'match':>5} {'triton ms':>9} {'torch ms':>9} {'speedup':>7} "
+             f"{'triton GB/s':>11} {'vs decode':>9}"]
     for r in rows:
         gbps = f"{r.triton_gbps:>11.0f}" if r.triton_gbps is not None else f"{'-':>11}"
         vs = f"{r.vs_unsplit:>8.2f}x" if r.vs_unsplit is not None else f"{'-':>9}"
-        lines.append(f"{r.kernel:>12} {r.dtype:>8} {r.batch:>5} {r.context:>7} {r.query_len:>5} {r.max_error:>8.1e} "
-                     f"{r.tolerance:>7.0e} {'yes' if r.matches else 'NO':>5} {r.triton_ms:>9.4f} {r.torch_ms:>9.4f} "
+        lines.append(f"{r.kernel:>12} {r.dtype:>8} {r.batch:>5} {r.context:>7} "
+                     f"{r.query_len:>5} {r.max_error:>8.1e} {r.tolerance:>7.0e} "
+                     f"{'yes' if r.matches else 'NO':>5} {r.triton_ms:>9.4f} {r.torch_ms:>9.4f} "
                      f"{r.speedup:>6.2f}x {gbps} {vs}")
-    lines.append("torch ms: store_kv the torch write (reshape_and_cache), decode and decode_split paged_decode_torch, "
-                 "prefill paged_attention_torch. GB/s: the bytes decode must move (decode_bytes) over the median "
-                 "time. vs decode: the unsplit decode kernel's time over split-KV's (above 1: splitting wins).")
+    lines.append("torch ms: store_kv the torch write (reshape_and_cache), decode and "
+                 "decode_split paged_decode_torch, prefill paged_attention_torch. GB/s: the bytes decode "
+                 "must move (decode_bytes) over the median time. vs decode: the unsplit decode kernel's time "
+                 "over split-KV's (above 1: splitting wins).")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m radarlab.lab.kernel_bench`: check_kernels, printed. Exit status 1 if any kernel disagrees."""
+    """`python -m radarlab.lab.kernel_bench`: check_kernels, printed. Exit status 1 if any kernel
+    disagrees."""
     import argparse
     import inspect
 
@@ -423,8 +436,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     default = {k: p.default for k, p in inspect.signature(check_kernels).parameters.items()}
     parser = argparse.ArgumentParser(prog="python -m radarlab.lab.kernel_bench", description=main.__doc__)
     # Every option defaults to check_kernels' own default (None here means "not given").
-    for flag, kind, what in [("shapes", shapes, "BATCHxCONTEXT,..."), ("dtypes", lambda t: [dtype(x) for x in names(t)],
-                             "comma-separated torch dtypes"), ("kernels", names, f"some of {','.join(KERNELS)}"),
+    for flag, kind, what in [("shapes", shapes, "BATCHxCONTEXT,..."),
+                             ("dtypes", lambda t: [dtype(x) for x in names(t)],
+                             "comma-separated torch dtypes"),
+                             ("kernels", names, f"some of {','.join(KERNELS)}"),
                              ("num_heads", int, "query heads"), ("num_kv_heads", int, "KV heads"),
                              ("head_dim", int, "dims per head"), ("block_size", int, "tokens per KV block"),
                              ("prefill_tokens", int, "new tokens per sequence in the prefill check"),
@@ -432,7 +447,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                              ("partition_size", int, "tokens per split-KV partition")]:
         parser.add_argument(f"--{flag.replace('_', '-')}", dest=flag, type=kind, default=None,
                             help=f"{what} (default: {default[flag]})")
-    parser.add_argument("--device", default=None, help="(default: cuda when present, else cpu under the interpreter)")
+    parser.add_argument("--device", default=None,
+                        help="(default: cuda when present, else cpu under the interpreter)")
     args = vars(parser.parse_args(argv))
     kwargs = {k: v for k, v in args.items() if v is not None}
     kwargs["device"] = kwargs.get("device") or default_device()

@@ -68,7 +68,8 @@ def time_ms(fn: Callable[[], object], device="cpu", repeats: int = 5, warmup: in
 
 
 def gbps(nbytes: float, ms: float) -> float:
-    """Bandwidth in GB/s (10^9 bytes per second, as spec sheets quote it) of nbytes moved in ms milliseconds."""
+    """Bandwidth in GB/s (10^9 bytes per second, as spec sheets quote it) of nbytes moved in ms
+    milliseconds."""
     return nbytes / ms / 1e6
 
 
@@ -143,7 +144,8 @@ class DecodeTiming:
 
 
 def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmup: int = 1,
-                   seed: int = 0, budget_s: float | None = None, threads: int | None = None) -> list[DecodeTiming]:
+                   seed: int = 0, budget_s: float | None = None,
+                   threads: int | None = None) -> list[DecodeTiming]:
     """Time our forward pass on one-token decode steps for each batch size.
 
     The prefill is skipped: each sequence starts with `context` positions of zero K/V already in a

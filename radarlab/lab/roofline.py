@@ -132,7 +132,8 @@ def decode_step(dims: TransformerDims, batch: int, context: int, weight_dtype: s
     )
 
 
-def intensity_limit(dims: TransformerDims, context: int, weight_dtype: str = "bf16", kv_dtype: str = "bf16") -> float:
+def intensity_limit(dims: TransformerDims, context: int, weight_dtype: str = "bf16",
+                    kv_dtype: str = "bf16") -> float:
     """The intensity an infinite batch approaches: FLOPs per token over one sequence's KV bytes."""
     one = decode_step(dims, 1, context, weight_dtype, kv_dtype)
     return one.flops / one.kv_bytes
@@ -154,7 +155,8 @@ def prefill_flops(dims: TransformerDims, context: int) -> float:
     context = require_int("context", context)
     layer_weights = dims.matmul_params - dims.vocab * dims.hidden
     pairs = context * (context + 1) / 2
-    return 2 * layer_weights * context + 4 * dims.layers * dims.heads * dims.head_dim * pairs + 2 * dims.vocab * dims.hidden
+    return (2 * layer_weights * context + 4 * dims.layers * dims.heads * dims.head_dim * pairs
+            + 2 * dims.vocab * dims.hidden)
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,8 @@ def preemption_cost(dims: TransformerDims, context: int, link_bytes_per_s: float
                     kv_dtype: str = "bf16") -> PreemptionCost:
     """Roofline estimates: the copy runs at the link's bandwidth, the prefill at the device's FLOP/s
     (a prefill is compute-bound), with no overlap and no fixed costs."""
-    kv = require_int("context", context) * kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim, kv_dtype)
+    kv = require_int("context", context) * kv_bytes_per_token(dims.layers, dims.kv_heads, dims.head_dim,
+                                                              kv_dtype)
     return PreemptionCost(context, kv, 2 * kv / link_bytes_per_s, prefill_flops(dims, context) / flops_per_s)
 
 
@@ -191,7 +194,8 @@ def swap_recompute_crossover(dims: TransformerDims, link_bytes_per_s: float, flo
     layer_weights = dims.matmul_params - dims.vocab * dims.hidden
     # recompute(n) - swap(n) = a n^2 + b n + c, from prefill_flops; swap(n) = 2 kv n / link
     a = 2 * dims.layers * dims.heads * dims.head_dim / flops_per_s
-    b = (2 * layer_weights + 2 * dims.layers * dims.heads * dims.head_dim) / flops_per_s - 2 * kv / link_bytes_per_s
+    b = ((2 * layer_weights + 2 * dims.layers * dims.heads * dims.head_dim) / flops_per_s
+         - 2 * kv / link_bytes_per_s)
     c = 2 * dims.vocab * dims.hidden / flops_per_s
     disc = b * b - 4 * a * c
     if b >= 0 or disc < 0:

@@ -34,8 +34,10 @@ class ScheduledWork:
     kind: str  # PREFILL, RECOMPUTE, DECODE or VERIFY
     num_computed_tokens: int
     num_tokens: int
-    token: int | None  # the (last) token the step emitted for it; None while its prompt (or recompute) is incomplete
-    new_token_ids: tuple[int, ...] = ()  # every token the step emitted (several after a verify); () means (token,)
+    # the (last) token the step emitted for it; None while its prompt (or recompute) is incomplete
+    token: int | None
+    # every token the step emitted (several after a verify); () means (token,)
+    new_token_ids: tuple[int, ...] = ()
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -87,7 +89,8 @@ def record_step(engine, step: int) -> tuple[list, StepRecord]:
     seconds = time.perf_counter() - t0
     sched = engine.last_scheduled
     if sched is None:
-        raise RuntimeError("engine.last_scheduled is None after a step: this Engine does not record its steps")
+        raise RuntimeError("engine.last_scheduled is None after a step: this Engine "
+                           "does not record its steps")
     sampled = {o.request_id: tuple(o.new_token_ids) for o in outputs if o.new_token_ids}
     finished = tuple(o.request_id for o in outputs if o.finished)
     spec = sched.num_spec_tokens or [0] * len(sched.requests)
@@ -102,8 +105,8 @@ def record_step(engine, step: int) -> tuple[list, StepRecord]:
     ran = {w.request_id for w in scheduled}
     waiting = tuple(rid for rid in engine.scheduler.requests if rid not in ran)  # unfinished, no tokens
     running = {r.request_id for r in engine.scheduler.running} | (ran & set(finished))
-    return outputs, StepRecord(step, scheduled, waiting, tuple(r.request_id for r in sched.preempted), finished,
-                               len(running), engine.manager.block_pool.num_used_blocks, seconds)
+    return outputs, StepRecord(step, scheduled, waiting, tuple(r.request_id for r in sched.preempted),
+                               finished, len(running), engine.manager.block_pool.num_used_blocks, seconds)
 
 
 def run_recorded(engine, first_step: int = 0, max_steps: int = 100_000) -> list[StepRecord]:

@@ -106,17 +106,20 @@ def random_token_prompts(num_prompts: int, vocab_size: int, len_range: tuple[int
     if not (is_int(lo) and is_int(hi)) or not 1 <= lo <= hi:
         raise ValueError(f"len_range must be ints with 1 <= lo <= hi, got {len_range!r}")
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab_size, size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(num_prompts)]
+    return [rng.integers(0, vocab_size,
+                         size=int(rng.integers(lo, hi + 1))).tolist() for _ in range(num_prompts)]
 
 
 # Modules whose functions make the copy workload: plain Python, stable across 3.x releases.
 COPY_SOURCE_MODULES = ("textwrap", "bisect", "heapq", "fnmatch", "shlex", "colorsys", "calendar", "glob",
                        "posixpath", "string", "tokenize", "difflib")
-COPY_INSTRUCTION = "Here is a Python function:\n```python\n{code}```\nRepeat it exactly, unchanged:\n```python\n"
+COPY_INSTRUCTION = ("Here is a Python function:\n```python\n{code}```\n"
+                    "Repeat it exactly, unchanged:\n```python\n")
 COPY_MAX_CHARS = 1200
 
 
-def source_functions(modules: tuple[str, ...] = COPY_SOURCE_MODULES, max_chars: int = COPY_MAX_CHARS) -> list[str]:
+def source_functions(modules: tuple[str, ...] = COPY_SOURCE_MODULES,
+                     max_chars: int = COPY_MAX_CHARS) -> list[str]:
     """Top-level function definitions of standard-library modules, in module then file order, each
     at most max_chars long: text a speculative proposer can find again in the prompt."""
     import ast

@@ -42,7 +42,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
         q_lens = [len(step_tokens[i]) for i in active]
         meta = AttentionMetadata.from_lens(q_lens, [lens[i] for i in active], cache_rows=torch.tensor(active))
         ids = torch.tensor([t for i in active for t in step_tokens[i]], device=device)
-        logits = model(ids, meta.positions.to(device), cache, meta, logits_indices=meta.query_start_loc[1:] - 1)
+        logits = model(ids, meta.positions.to(device), cache, meta,
+                       logits_indices=meta.query_start_loc[1:] - 1)
         next_ids = logits.argmax(-1).tolist()
         still = []
         for i, tok in zip(active, next_ids):

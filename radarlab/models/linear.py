@@ -137,8 +137,10 @@ def fused_linear(x: torch.Tensor, layers: Sequence[Linear], packed: PackedWeight
     a wider output beats several: measured with packed weights, fp32 q/k/v [576 -> 576/192/192]
     56 -> 34 us at 1 row and 88 -> 65 us at 16; gate/up [576 -> 2 x 1536] 70 -> 60 us at 1 row."""
     weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
-    hooked = any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)  # hooks must see each call
-    if hooked or len({b is None for b in biases}) > 1 or not all(packs(x, w, b) for w, b in zip(weights, biases)):
+    # hooks must see each call
+    hooked = any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+    if hooked or len({b is None for b in biases}) > 1 or not all(packs(x, w, b) for w,
+                                                                 b in zip(weights, biases)):
         return tuple(layer(x) for layer in layers)
     out = packed.linear(x, weights, biases)
     return out.split([layer.out_features for layer in layers], dim=-1)

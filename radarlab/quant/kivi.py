@@ -48,8 +48,8 @@ def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "
     *lead, t, h, d = q.shape
     g = int4.check_group(group_size, t)
     if tuple(scales.shape) != (*lead, t // g, h, d) or zeros.shape != scales.shape:
-        raise ValueError(f"key scales and zeros must be {(*lead, t // g, h, d)}, got {tuple(scales.shape)} and "
-                         f"{tuple(zeros.shape)}")
+        raise ValueError(f"key scales and zeros must be {(*lead, t // g, h, d)}, got "
+                         f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
     qg = q.reshape(*lead, t // g, g, h, d)
     s = int4.load_meta(scales, scale_dtype)[..., None, :, :]
     if zeros.dtype == torch.int8:  # integer zero points (int8zeros)

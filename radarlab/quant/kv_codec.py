@@ -100,7 +100,8 @@ class QuantizedPool:
     def __init__(self, fmt: KVFormat, payload: torch.Tensor, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, scale=1.0, head_dim: int | None = None) -> None:
         if payload.dim() != 4:
-            raise ValueError(f"payload must be [num_blocks, block_size, num_kv_heads, width], got {tuple(payload.shape)}")
+            raise ValueError("payload must be [num_blocks, block_size, num_kv_heads, width], "
+                             f"got {tuple(payload.shape)}")
         self.fmt, self.payload, self.scales, self.zeros = fmt, payload, scales, zeros
         d = head_dim if head_dim is not None else payload.shape[-1] * (2 if fmt.is_packed else 1)
         self.head_dim = fmt.check_head_dim(d)
@@ -108,9 +109,11 @@ class QuantizedPool:
             raise ValueError(f"{fmt.name} stores {payload_width(fmt, d)} payload entries per head vector, "
                              f"payload has {payload.shape[-1]}")
         s = scale_width(fmt, d)
-        for name, t, needed in (("scales", scales, s > 0), ("zeros", zeros, fmt.is_packed and not fmt.symmetric)):
+        for name, t, needed in (("scales", scales, s > 0),
+                                ("zeros", zeros, fmt.is_packed and not fmt.symmetric)):
             if needed and (t is None or tuple(t.shape) != (*payload.shape[:3], s)):
-                raise ValueError(f"{fmt.name} needs {name} of shape {(*payload.shape[:3], s)} beside the payload, got "
+                raise ValueError(f"{fmt.name} needs {name} of shape "
+                                 f"{(*payload.shape[:3], s)} beside the payload, got "
                                  f"{None if t is None else tuple(t.shape)}")
         self.scale = check_static_scale(scale, payload.shape[2]).to(payload.device) if fmt.kind == "fp8" \
             and fmt.scale_rule == "tensor" else None
@@ -131,7 +134,9 @@ class QuantizedPool:
         return torch.float32  # what reads return
 
     def __getitem__(self, blocks) -> torch.Tensor:
-        pick = (lambda t: None if t is None else t[blocks])
+        def pick(t):
+            return None if t is None else t[blocks]
+
         return decode_kv(self.payload[blocks], pick(self.scales), pick(self.zeros), self.fmt,
                          1.0 if self.scale is None else self.scale)
 

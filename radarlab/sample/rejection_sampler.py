@@ -25,14 +25,16 @@ from typing import Sequence
 
 import torch
 
-from radarlab.sample.sampling_params import SamplingParams
 from radarlab.sample.sampler import probabilities
+from radarlab.sample.sampling_params import SamplingParams
 
 
-def _check(num_rows: int, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None, vocab: int) -> None:
+def _check(num_rows: int, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None,
+           vocab: int) -> None:
     k = len(draft_token_ids)
     if num_rows != k + 1:
-        raise ValueError(f"verification needs k + 1 = {k + 1} target rows for {k} draft tokens, got {num_rows}")
+        raise ValueError(f"verification needs k + 1 = {k + 1} target rows for {k} "
+                         f"draft tokens, got {num_rows}")
     for i, t in enumerate(draft_token_ids):
         if not 0 <= t < vocab:
             raise ValueError(f"draft_token_ids[{i}] is {t}, outside the vocabulary (0..{vocab - 1})")
@@ -54,7 +56,8 @@ def verify_greedy(target_logits: torch.Tensor, draft_token_ids: Sequence[int]) -
     return out
 
 
-def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None,
+def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
+                      draft_probs: torch.Tensor | None,
                       generator: torch.Generator | None = None) -> list[int]:
     """Tokens emitted by rejection sampling: accepted drafts, then the residual draw or the bonus.
 
@@ -86,7 +89,8 @@ def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int]
 
 
 def rejection_sample(target_logits: torch.Tensor, draft_token_ids: Sequence[int], params: SamplingParams,
-                     draft_probs: torch.Tensor | None = None, generator: torch.Generator | None = None) -> list[int]:
+                     draft_probs: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> list[int]:
     """One request's verify step from raw target logits [k+1, V]: greedy when params are greedy,
     rejection sampling otherwise, with p under the same temperature, top-k and top-p as the draft's q.
     Returns the emitted tokens: between 1 and k + 1 of them."""

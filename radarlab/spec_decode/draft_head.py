@@ -58,7 +58,8 @@ class DraftHead(nn.Module):
 
     def forward(self, token_embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 kv_cache, meta) -> torch.Tensor:
-        """Packed [T, hidden] embeddings of tokens t+1 and features f_t -> [T, hidden] estimates of f_{t+1}."""
+        """Packed [T, hidden] embeddings of tokens t+1 and features f_t -> [T, hidden] estimates of
+        f_{t+1}."""
         if token_embeds.shape != features.shape or token_embeds.shape[-1] != self.config.hidden_size:
             raise ValueError(f"token_embeds {tuple(token_embeds.shape)} and features {tuple(features.shape)} "
                              f"must both be [T, {self.config.hidden_size}]")
@@ -74,7 +75,8 @@ class DraftHead(nn.Module):
 
 
 @torch.inference_mode()
-def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks, pick, next_step) -> list[list[int]]:
+def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks, pick,
+                next_step) -> list[list[int]]:
     """The EAGLE drafting loop, for any cache: one head forward per draft position, batched.
 
     catch_up = (token ids, features, meta): for each sequence, the positions i whose head K/V is not
@@ -99,7 +101,8 @@ def draft_chain(head: DraftHead, embed, rows: torch.Tensor, cache, catch_up, ks,
         if not kept:
             break
         g = g[[live.index(s) for s in kept]]
-        g = head(embed(torch.tensor([drafts[s][-1] for s in kept], device=g.device)), g, meta.positions, cache, meta)
+        g = head(embed(torch.tensor([drafts[s][-1] for s in kept], device=g.device)), g, meta.positions,
+                 cache, meta)
         live = kept
     return drafts
 
@@ -136,21 +139,25 @@ def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,
     return directory
 
 
-def load_head(directory: str | Path, target: LlamaConfig, dtype=torch.float32) -> tuple[DraftHead, torch.Tensor | None]:
+def load_head(directory: str | Path, target: LlamaConfig,
+              dtype=torch.float32) -> tuple[DraftHead, torch.Tensor | None]:
     """(head, draft vocabulary or None) from a directory save_head wrote; the target's config must match."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
     cfg = json.loads((directory / CONFIG_FILE).read_text())
     for key, ours in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size),
-                      ("num_attention_heads", target.num_heads), ("num_key_value_heads", target.num_kv_heads)):
+                      ("num_attention_heads", target.num_heads),
+                      ("num_key_value_heads", target.num_kv_heads)):
         if cfg.get(key) != ours:
             raise ValueError(f"draft head {key}={cfg.get(key)} does not match the target's {ours}")
     head = DraftHead(draft_config(target, cfg.get("intermediate_size")))
-    state = {k.replace("layers.0.", "layer.", 1): v.to(dtype) for k, v in load_file(str(directory / WEIGHTS_FILE)).items()}
+    state = {k.replace("layers.0.", "layer.", 1): v.to(dtype) for k,
+             v in load_file(str(directory / WEIGHTS_FILE)).items()}
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"draft head weights do not match: missing {missing}, unexpected {unexpected}")
     vocab_path = directory / VOCAB_FILE
-    vocab = torch.tensor(json.loads(vocab_path.read_text()), dtype=torch.long) if vocab_path.exists() else None
+    vocab = torch.tensor(json.loads(vocab_path.read_text()),
+                         dtype=torch.long) if vocab_path.exists() else None
     return head.to(dtype).eval(), vocab

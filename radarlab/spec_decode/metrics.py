@@ -50,7 +50,8 @@ class SpecDecodingStats:
     @property
     def acceptance_rate_per_pos(self) -> list[float]:
         """How often draft position i was accepted, per verify step (vLLM's per-position rate)."""
-        return [a / self.num_drafts if self.num_drafts else float("nan") for a in self.num_accepted_tokens_per_pos]
+        return [a / self.num_drafts if self.num_drafts else float("nan")
+                for a in self.num_accepted_tokens_per_pos]
 
     @property
     def tokens_per_forward(self) -> float:

@@ -54,11 +54,13 @@ class NgramProposer:
         self.prompt_lookup_min = require_int("prompt_lookup_min", prompt_lookup_min)
         self.prompt_lookup_max = require_int("prompt_lookup_max", prompt_lookup_max)
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min={prompt_lookup_min} must be <= prompt_lookup_max={prompt_lookup_max}")
+            raise ValueError(f"prompt_lookup_min={prompt_lookup_min} must be <= "
+                             f"prompt_lookup_max={prompt_lookup_max}")
         self.max_model_len = None if max_model_len is None else require_int("max_model_len", max_model_len)
 
     def propose(self, requests, num_tokens: Sequence[int]) -> list:
-        """One Proposal per request (radarlab.spec_decode.proposer): up to num_tokens[i] drafts, no probabilities."""
+        """One Proposal per request (radarlab.spec_decode.proposer): up to num_tokens[i] drafts, no
+        probabilities."""
         return [Proposal(ngram_draft(r.all_token_ids, self.prompt_lookup_min, self.prompt_lookup_max, k,
                                      self.max_model_len))
                 for r, k in zip(requests, num_tokens)]

@@ -30,9 +30,9 @@ The engine calls a proposer once per step, before scheduling, for the requests t
   below the request's num_tokens - 1 when it next proposes. Without observe, paged_step computes
   no features.
 
-Implementations: radarlab.spec_decode.ngram.NgramProposer, radarlab.spec_decode.draft_model.DraftModelProposer,
-radarlab.spec_decode.eagle.EagleProposer, and radarlab.spec_decode.ngram_eagle.NgramEagleProposer (n-gram first,
-then the EAGLE head).
+Implementations: radarlab.spec_decode.ngram.NgramProposer,
+radarlab.spec_decode.draft_model.DraftModelProposer, radarlab.spec_decode.eagle.EagleProposer, and
+radarlab.spec_decode.ngram_eagle.NgramEagleProposer (n-gram first, then the EAGLE head).
 A trained draft plugs in as a DraftModelProposer: pass it as
 `Engine(..., speculative_config={"method": "draft_model", "num_speculative_tokens": k, "model": draft})`,
 where draft is a radarlab Llama (or anything with its forward signature and a .config with

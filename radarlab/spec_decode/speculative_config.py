@@ -28,7 +28,8 @@ from radarlab.spec_decode.ngram import NgramProposer
 from radarlab.spec_decode.ngram_eagle import NgramEagleProposer
 from radarlab.util import require_int
 
-SPECULATIVE_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+SPECULATIVE_CONFIG_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                           "model")
 METHODS = ("ngram", "draft_model", "eagle", "ngram_eagle")
 LOOKUP_METHODS = ("ngram", "ngram_eagle")  # the methods that take prompt_lookup_min and prompt_lookup_max
 
@@ -40,7 +41,8 @@ def make_proposer(speculative_config: Mapping, target_model, num_blocks: int, bl
         raise ValueError(f"speculative_config must be a dict, got {type(speculative_config).__name__}")
     unknown = sorted(set(speculative_config) - set(SPECULATIVE_CONFIG_KEYS))
     if unknown:
-        raise ValueError(f"unknown speculative_config keys {unknown}; valid keys: {list(SPECULATIVE_CONFIG_KEYS)}")
+        raise ValueError(f"unknown speculative_config keys {unknown}; valid keys: "
+                         f"{list(SPECULATIVE_CONFIG_KEYS)}")
     cfg = dict(speculative_config)
     draft = cfg.get("model")
     method = cfg.get("method") or ("draft_model" if draft is not None else "ngram")
@@ -55,7 +57,8 @@ def make_proposer(speculative_config: Mapping, target_model, num_blocks: int, bl
     else:
         for key in ("prompt_lookup_min", "prompt_lookup_max"):
             if cfg.get(key) is not None:
-                raise ValueError(f"speculative_config: {key} belongs to methods {list(LOOKUP_METHODS)}, not {method!r}")
+                raise ValueError(f"speculative_config: {key} belongs to methods "
+                                 f"{list(LOOKUP_METHODS)}, not {method!r}")
     if method == "ngram":
         if draft is not None:
             raise ValueError("speculative_config: method 'ngram' takes no model")
@@ -81,6 +84,7 @@ def _eagle_proposer(draft, target_model, k: int, num_blocks: int, block_size: in
     elif isinstance(draft, tuple) and len(draft) == 2:
         draft, vocab = draft
     if not isinstance(draft, DraftHead):
-        raise ValueError(f"speculative_config: method {method!r} needs a draft head (a directory, a DraftHead or a "
-                         f"(DraftHead, vocabulary) pair), got {type(draft).__name__}")
+        raise ValueError(f"speculative_config: method {method!r} needs a draft head (a "
+                         "directory, a DraftHead or a (DraftHead, vocabulary) pair), "
+                         f"got {type(draft).__name__}")
     return EagleProposer(draft, target_model, vocab, k, num_blocks, block_size, backend)

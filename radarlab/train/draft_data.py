@@ -27,7 +27,8 @@ def stdlib_files(root: str | Path | None = None) -> list[Path]:
     """Every .py file of the standard library (no tests, no site-packages), sorted."""
     root = Path(root or sysconfig.get_paths()["stdlib"])
     skip = ("site-packages", "test", "tests", "idle_test", "__pycache__")
-    return sorted(p for p in root.rglob("*.py") if not any(part in skip for part in p.relative_to(root).parts))
+    return sorted(p for p in root.rglob("*.py")
+                  if not any(part in skip for part in p.relative_to(root).parts))
 
 
 def is_held_out(path: Path, root: Path) -> bool:
@@ -48,7 +49,8 @@ def token_chunks(tokenizer, files: list[Path], seq_len: int) -> torch.Tensor:
     require_int("seq_len", seq_len, minimum=2)
     rows = []
     for path in files:
-        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+        ids = tokenizer(path.read_text(encoding="utf-8", errors="replace"),
+                        add_special_tokens=False)["input_ids"]
         rows += [ids[i:i + seq_len] for i in range(0, len(ids) - seq_len + 1, seq_len)]
     return torch.tensor(rows, dtype=torch.long).reshape(-1, seq_len)
 
@@ -115,10 +117,12 @@ def cache_shards(model, tokenizer, out_dir: str | Path, seq_len: int = 256, shar
     for s in range(n):
         path = out_dir / f"shard_{s:05d}.pt"
         if not path.exists():
-            tmp = cache_features(model, chunks[s * shard_chunks:(s + 1) * shard_chunks], path.with_suffix(".tmp"))
+            tmp = cache_features(model, chunks[s * shard_chunks:(s + 1) * shard_chunks],
+                                 path.with_suffix(".tmp"))
             tmp.rename(path)
             if log:
-                log(f"shard {s + 1}/{n}: {shard_chunks * seq_len} tokens, {time.perf_counter() - start:.0f} s so far")
+                log(f"shard {s + 1}/{n}: {shard_chunks * seq_len} tokens, "
+                    f"{time.perf_counter() - start:.0f} s so far")
         paths.append(path)
     return paths
 

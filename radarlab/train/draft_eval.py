@@ -32,10 +32,10 @@ import torch
 
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
-from radarlab.train.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.models.llama import final_features
 from radarlab.spec_decode.draft_head import DraftHead, draft_chain, load_head
 from radarlab.spec_decode.ngram import ngram_draft
+from radarlab.train.draft_data import split_files, target_features_batch, token_chunks
 from radarlab.train.token_table import TokenTable
 from radarlab.util import require_int
 
@@ -57,16 +57,19 @@ def eval_prompts(tokenizer, num_prompts: int = 16, prompt_len: int = 256) -> lis
     """num_prompts windows of prompt_len tokens from held-out files (the largest ones), each taken a
     third of the way into its file, where code rather than the module docstring is."""
     _, held = split_files()
-    encoded = [tokenizer(p.read_text(encoding="utf-8", errors="replace"), add_special_tokens=False)["input_ids"]
+    encoded = [tokenizer(p.read_text(encoding="utf-8", errors="replace"),
+                         add_special_tokens=False)["input_ids"]
                for p in held]
     encoded = sorted((ids for ids in encoded if len(ids) >= 3 * prompt_len), key=len, reverse=True)
     if len(encoded) < num_prompts:
-        raise ValueError(f"only {len(encoded)} held-out files have {3 * prompt_len} tokens; asked for {num_prompts}")
+        raise ValueError(f"only {len(encoded)} held-out files have {3 * prompt_len} "
+                         f"tokens; asked for {num_prompts}")
     return [ids[len(ids) // 3:len(ids) // 3 + prompt_len] for ids in encoded[:num_prompts]]
 
 
 def ngram_lookup(tokens: list[int], k: int) -> list[int]:
-    """The n-gram source of the evaluator: prompt lookup (radarlab.spec_decode.ngram) with n from 4 down to 2."""
+    """The n-gram source of the evaluator: prompt lookup (radarlab.spec_decode.ngram) with n from 4 down to
+    2."""
     return ngram_draft(tokens, NGRAM_MIN, NGRAM_MAX, k)
 
 
@@ -76,7 +79,8 @@ class HeadDrafter:
     The drafting loop is draft_head.draft_chain, the one the engine's EagleProposer runs: what this
     module measures is what the engine drafts."""
 
-    def __init__(self, head: DraftHead, target, num_seqs: int, max_len: int, vocab: torch.Tensor | None) -> None:
+    def __init__(self, head: DraftHead, target, num_seqs: int, max_len: int,
+                 vocab: torch.Tensor | None) -> None:
         self.head, self.target = head, target
         self.cache = ContiguousKVCache.for_model(head.config, num_seqs, max_len)
         weight = target.lm_head.weight
@@ -84,11 +88,13 @@ class HeadDrafter:
         self.rows = weight[self.vocab].contiguous()
         self.done = [0] * num_seqs  # positions of each sequence the cache holds from true features
 
-    def propose(self, seqs: list[int], tokens: list[list[int]], feats: list[torch.Tensor], ks: list[int]) -> list[list[int]]:
+    def propose(self, seqs: list[int], tokens: list[list[int]], feats: list[torch.Tensor],
+                ks: list[int]) -> list[list[int]]:
         """For sequence s: catch up on positions done[s] .. len(feats[s]) - 1 (true features f_i and
         tokens i+1), then draft ks[s] tokens, steps 2.. reading the head's own output (draft_chain)."""
         q_lens = [len(feats[s]) - self.done[s] for s in seqs]
-        meta = AttentionMetadata.from_lens(q_lens, [len(feats[s]) for s in seqs], cache_rows=torch.tensor(seqs))
+        meta = AttentionMetadata.from_lens(q_lens, [len(feats[s]) for s in seqs],
+                                           cache_rows=torch.tensor(seqs))
         f_in = torch.cat([feats[s][self.done[s]:] for s in seqs])
         ids = torch.tensor([t for s in seqs for t in tokens[s][self.done[s] + 1:len(feats[s]) + 1]])
         for s in seqs:
@@ -135,7 +141,8 @@ def speculative_generate(target, prompts: list[list[int]], max_new_tokens: int, 
         feats = [ref_feats[i][:len(p)] for i, p in enumerate(prompts)]
         tokens = [list(ref_tokens[i][:len(p) + 1]) for i, p in enumerate(prompts)]
     else:
-        meta = AttentionMetadata.from_lens([len(p) for p in prompts], [len(p) for p in prompts], cache_rows=torch.arange(n))
+        meta = AttentionMetadata.from_lens([len(p) for p in prompts], [len(p) for p in prompts],
+                                           cache_rows=torch.arange(n))
         f = final_features(target, torch.tensor([t for p in prompts for t in p]), meta.positions, cache, meta)
         bounds = meta.query_start_loc.tolist()
         feats = [f[bounds[i]:bounds[i + 1]] for i in range(n)]
@@ -237,11 +244,14 @@ def draft_cost(target, head: DraftHead, vocab_rows: int, context: int = 384, rep
     tok = torch.tensor([1])
     rows = target.lm_head.weight[:vocab_rows].contiguous()
     feat = torch.randn(1, cfg.hidden_size)
-    t_target = timed(lambda: target.lm_head(final_features(target, tok, meta.positions, tcache, meta)).argmax(-1))
-    t_draft = timed(lambda: (head(target.embed_tokens(tok), feat, meta.positions, dcache, meta) @ rows.T).argmax(-1))
+    t_target = timed(lambda: target.lm_head(final_features(target, tok, meta.positions, tcache,
+                                                           meta)).argmax(-1))
+    t_draft = timed(lambda: (head(target.embed_tokens(tok), feat, meta.positions, dcache,
+                                  meta) @ rows.T).argmax(-1))
     return {"flops_per_token": flops, "weight_bytes_per_token": bytes_,
             "seconds_per_token": {"target": t_target, "draft": t_draft},
-            "ratio_flops": flops["draft"] / flops["target"], "ratio_bytes": bytes_["draft"] / bytes_["target"],
+            "ratio_flops": flops["draft"] / flops["target"],
+            "ratio_bytes": bytes_["draft"] / bytes_["target"],
             "ratio_time": t_draft / t_target, "draft_vocab_rows": vocab_rows, "context": context}
 
 
@@ -264,7 +274,8 @@ def target_reference(target, prompts: list[list[int]], max_new_tokens: int, path
     feats, greedy = target_features_batch(target, full)
     tie_flips = int((greedy[:, len(prompts[0]) - 1:-1] != full[:, len(prompts[0]):]).sum())
     print(f"real n-gram run k=6: first {real['first_token_acceptance']:.3f} per-verify "
-          f"{real['tokens_per_verify_step']:.2f} ({real['seconds']:.0f} s); prefill disagrees on {tie_flips} tokens", flush=True)
+          f"{real['tokens_per_verify_step']:.2f} ({real['seconds']:.0f} s); prefill "
+          f"disagrees on {tie_flips} tokens", flush=True)
     if path:
         torch.save({"prompts": prompts, "max_new_tokens": max_new_tokens, "tokens": full.tolist(),
                     "features": feats, "real": real, "tie_flips": tie_flips}, path)
@@ -285,7 +296,8 @@ def vllm_comparison(target, prompts, reference, head_dir, head, k: int, max_new_
     outs = [o["token_ids"] for o in resp["outputs"]]
     row = {"k": k, "prompts": len(prompts), "vllm_metrics": spec, "vllm_generate_s": resp["generate_s"],
            "vllm_outputs_equal_ours": sum(o == r[len(p):] for o, r, p in zip(outs, ref[0], prompts)),
-           "ours": {key: ours[key] for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens_per_pos",
+           "ours": {key: ours[key] for key in ("num_drafts", "num_draft_tokens",
+                                               "num_accepted_tokens_per_pos",
                                                "first_token_acceptance", "tokens_per_verify_step")}}
     print(f"vLLM eagle k={k}: {spec}; outputs equal ours {row['vllm_outputs_equal_ours']}/{len(prompts)}; "
           f"ours {row['ours']}", flush=True)
@@ -313,10 +325,12 @@ def format_replay_table(doc: dict, methods) -> str:
         for k in ks:
             if (m, k) in rows:
                 r = rows[m, k]
-                lines.append(f"{m:<12} {k:>2} {r['first_token_acceptance']:>15.3f} {r['tokens_per_verify_step']:>14.2f} "
+                lines.append(f"{m:<12} {k:>2} {r['first_token_acceptance']:>15.3f} "
+                             f"{r['tokens_per_verify_step']:>14.2f} "
                              f"{theory.expected_tokens_per_step(a_of[m], k):>7.2f}")
     cost = doc["cost"]
-    lines.append(f"draft cost ratio c: FLOPs {cost['ratio_flops']:.3f}, weight bytes {cost['ratio_bytes']:.3f}")
+    lines.append(f"draft cost ratio c: FLOPs {cost['ratio_flops']:.3f}, weight bytes "
+                 f"{cost['ratio_bytes']:.3f}")
     return "\n".join(lines)
 
 
@@ -328,9 +342,11 @@ def format_vllm_comparison(doc: dict) -> str:
     return "\n".join([
         doc["what"],
         f"outputs equal ours: {sum(v['outputs_equal_ours'])}/{len(v['outputs_equal_ours'])}",
-        f"accepted per position: vLLM {[int(x) for x in metrics['vllm:spec_decode_num_accepted_tokens_per_pos']]}, "
-        f"ours {ours['num_accepted_tokens_per_pos']}; draft tokens vLLM "
-        f"{int(metrics['vllm:spec_decode_num_draft_tokens'])}, ours {ours['num_draft_tokens']} ({doc['note']})",
+        "accepted per position: vLLM "
+        f"{[int(x) for x in metrics['vllm:spec_decode_num_accepted_tokens_per_pos']]}, ours "
+        f"{ours['num_accepted_tokens_per_pos']}; draft tokens vLLM "
+        f"{int(metrics['vllm:spec_decode_num_draft_tokens'])}, ours "
+        f"{ours['num_draft_tokens']} ({doc['note']})",
     ])
 
 
@@ -338,7 +354,8 @@ def main(argv=None) -> None:
     from radarlab.lab.machine import environment
     from radarlab.models.llama import Llama
 
-    ap = argparse.ArgumentParser(description="Greedy speculative generation with the draft head on held-out prompts")
+    ap = argparse.ArgumentParser(description="Greedy speculative generation with the draft "
+                                             "head on held-out prompts")
     ap.add_argument("--head", default=None, help="directory written by radarlab.train.train_draft")
     ap.add_argument("--json", required=True, help="where to write the results")
     ap.add_argument("--ks", default="1,2,3,4,5,6")
@@ -350,7 +367,8 @@ def main(argv=None) -> None:
     ap.add_argument("--vllm", type=int, default=0, metavar="N",
                     help="also run vLLM's EAGLE method with this head on the first N prompts and compare")
     ap.add_argument("--vllm-k", type=int, default=4)
-    ap.add_argument("--full-vocab", action="store_true", help="rank all 49,152 tokens, not the draft vocabulary")
+    ap.add_argument("--full-vocab", action="store_true",
+                    help="rank all 49,152 tokens, not the draft vocabulary")
     args = ap.parse_args(argv)
     target, tokenizer = Llama.from_pretrained()
     head, vocab = load_head(args.head, target.config) if args.head else (None, None)
@@ -365,21 +383,26 @@ def main(argv=None) -> None:
     for method in args.methods.split(","):
         for k in map(int, args.ks.split(",")):
             t0 = time.perf_counter()
-            r = speculative_generate(target, prompts, args.max_new_tokens, k, method, head, vocab, reference, table)
+            r = speculative_generate(target, prompts, args.max_new_tokens, k, method, head, vocab, reference,
+                                     table)
             r["seconds"] = time.perf_counter() - t0
-            r["mismatched_outputs"] = sum(o != ref[len(p):] for o, ref, p in zip(r.pop("outputs"), reference[0], prompts))
+            r["mismatched_outputs"] = sum(o != ref[len(p):] for o, ref,
+                                          p in zip(r.pop("outputs"), reference[0], prompts))
             r.update(method=method, k=k, mode="replay")
             results.append(r)
-            print(f"{method:9s} k={k} first {r['first_token_acceptance']:.3f} per-verify {r['tokens_per_verify_step']:.2f} "
-                  f"accepted/pos {r['num_accepted_tokens_per_pos']} drafts {r['num_drafts']} "
-                  f"by source {r['drafts_by_source']} {r['seconds']:.0f} s", flush=True)
+            print(f"{method:9s} k={k} first {r['first_token_acceptance']:.3f} per-verify "
+                  f"{r['tokens_per_verify_step']:.2f} accepted/pos {r['num_accepted_tokens_per_pos']} "
+                  f"drafts {r['num_drafts']} by source {r['drafts_by_source']} {r['seconds']:.0f} s",
+                  flush=True)
     rows = vocab.numel() if vocab is not None else target.config.vocab_size
     cost = draft_cost(target, head, rows) if head is not None else None
     if cost:
-        print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, time {cost['ratio_time']:.3f}")
+        print(f"draft cost per token: flops {cost['ratio_flops']:.3f}, bytes {cost['ratio_bytes']:.3f}, "
+              f"time {cost['ratio_time']:.3f}")
     vllm_rows = vllm_comparison(target, prompts[:args.vllm], reference, args.head, head, args.vllm_k,
                                 args.max_new_tokens) if args.vllm and head is not None else None
-    out = {"machine": environment(), "vllm": vllm_rows, "head": str(args.head), "prompts": args.prompts, "prompt_len": args.prompt_len,
+    out = {"machine": environment(), "vllm": vllm_rows, "head": str(args.head), "prompts": args.prompts,
+           "prompt_len": args.prompt_len,
            "max_new_tokens": args.max_new_tokens, "draft_vocab_rows": rows, "prefill_tie_flips": tie_flips,
            "results": results, "cost": cost}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)

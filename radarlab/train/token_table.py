@@ -22,7 +22,8 @@ class TokenTable:
         self.max_context = max_context
 
     @classmethod
-    def build(cls, rows: torch.Tensor, vocab_size: int, max_context: int = 3, min_count: int = 2) -> "TokenTable":
+    def build(cls, rows: torch.Tensor, vocab_size: int, max_context: int = 3,
+              min_count: int = 2) -> "TokenTable":
         """Count over rows [N, L] of token ids (n-grams do not cross rows); contexts seen fewer than
         min_count times are dropped (their guesses are noise)."""
         require_int("max_context", max_context, maximum=3)  # 4 ids of < 2^16 each fit one uint64 key

@@ -46,7 +46,8 @@ def unroll_mask(length: int, passes: int, device=None) -> torch.Tensor:
     return mask
 
 
-def unrolled_forward(head: DraftHead, embeds: torch.Tensor, features: torch.Tensor, passes: int) -> list[torch.Tensor]:
+def unrolled_forward(head: DraftHead, embeds: torch.Tensor, features: torch.Tensor,
+                     passes: int) -> list[torch.Tensor]:
     """embeds, features [B, L, H] (token t+1, target feature f_t) -> one [B, L, H] output per pass.
     Pass p's output at i is the head's estimate of f_{i+1} after p - 1 steps on its own features."""
     b, length, hidden = embeds.shape
@@ -141,7 +142,8 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
     lm_rows = model.lm_head.weight.detach()[vocab].float()
     embed = model.embed_tokens
     rows = data["tokens"].shape[0]
-    log(f"{rows} rows x {data['tokens'].shape[1]} tokens; draft vocabulary {vocab.numel()} covers {coverage:.1%} of greedy tokens")
+    log(f"{rows} rows x {data['tokens'].shape[1]} tokens; draft vocabulary {vocab.numel()} covers "
+        f"{coverage:.1%} of greedy tokens")
     opt = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.95))
     warmup = min(50, steps // 10 + 1)
     start = time.perf_counter()
@@ -153,7 +155,8 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
         return min(1.0, done)
 
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
+        opt,
+        lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
     gen = torch.Generator().manual_seed(seed)
     history = []
     step = 0
@@ -219,9 +222,10 @@ def plot_training(doc: dict):
 def format_training_summary(doc: dict) -> str:
     """One sentence on a kept training run: its length, its data, how often each row was seen, its loss."""
     s = doc["summary"]
-    return (f"trained for {s['steps']} steps ({s['train_seconds'] / 60:.0f} min) on {s['rows']} rows of {s['seq_len']} "
-            f"tokens ({s['rows'] * s['seq_len']:,} tokens, each row seen {s['steps'] * s['batch_rows'] / s['rows']:.1f} "
-            f"times), {s['batch_rows']} rows a step, {s['passes']} draft steps deep, on {doc['machine']}; loss "
+    return (f"trained for {s['steps']} steps ({s['train_seconds'] / 60:.0f} min) on "
+            f"{s['rows']} rows of {s['seq_len']} tokens ({s['rows'] * s['seq_len']:,} tokens, each row seen "
+            f"{s['steps'] * s['batch_rows'] / s['rows']:.1f} times), {s['batch_rows']} rows a step, "
+            f"{s['passes']} draft steps deep, on {doc['machine']}; loss "
             f"{s['first_loss']:.2f} -> {s['final_loss']:.2f}")
 
 
@@ -231,7 +235,8 @@ def main(argv=None) -> None:
     from radarlab.train.draft_data import load_shards
 
     ap = argparse.ArgumentParser(description="Train the EAGLE-style draft head on cached target features")
-    ap.add_argument("--features", required=True, help="directory of shard_*.pt (python -m radarlab.train.draft_data)")
+    ap.add_argument("--features", required=True,
+                    help="directory of shard_*.pt (python -m radarlab.train.draft_data)")
     ap.add_argument("--out", required=True, help="directory for the head (vLLM EAGLE layout)")
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch-rows", type=int, default=8)
@@ -240,7 +245,8 @@ def main(argv=None) -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--max-shards", type=int, default=None)
     ap.add_argument("--time-limit", type=float, default=None, help="seconds")
-    ap.add_argument("--intermediate-size", type=int, default=None, help="the head's MLP width (default: the target's)")
+    ap.add_argument("--intermediate-size", type=int, default=None,
+                    help="the head's MLP width (default: the target's)")
     ap.add_argument("--log-every", type=int, default=25)
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -254,7 +260,8 @@ def main(argv=None) -> None:
     corpus = token_chunks(tokenizer, split_files()[0], 256)
     vocab = draft_vocabulary(corpus, args.vocab, model.config.vocab_size)
     hf_config = json.loads((Path(resolve_model(None)) / "config.json").read_text())
-    summary = train(lambda: load_shards(args.features, args.max_shards), model, Path(args.out), steps=args.steps, batch_rows=args.batch_rows, passes=args.passes,
+    summary = train(lambda: load_shards(args.features, args.max_shards), model, Path(args.out),
+                    steps=args.steps, batch_rows=args.batch_rows, passes=args.passes,
                     vocab_size=args.vocab, lr=args.lr, time_limit_s=args.time_limit, hf_config=hf_config,
                     log_every=args.log_every, intermediate_size=args.intermediate_size, vocab=vocab)
     (Path(args.out) / "training.json").write_text(json.dumps(summary, indent=1) + "\n")

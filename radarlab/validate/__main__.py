@@ -34,7 +34,8 @@ def collect(skip_vllm: bool) -> list[Row]:
         return rows + [Row("vLLM rows", "vLLM", "not run: no vLLM environment", "run `make vllm`", False)]
     from radarlab.validate import vllm_fp8, vllm_paged, vllm_spec
 
-    return (rows + vllm.rows(model, prompts) + vllm_paged.rows(model, prompts, vllm_paged.prefix_workload(tok))
+    return (rows + vllm.rows(model, prompts) + vllm_paged.rows(model, prompts,
+                                                               vllm_paged.prefix_workload(tok))
             + vllm_fp8.rows(model, prompts) + vllm_spec.rows(model, tok))
 
 
@@ -53,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # The machine with the rows: which vLLM kernels ran (rows' details) depends on its CPU.
         with open(args.json, "w") as f:
-            json.dump({"rows": [r.as_dict() for r in rows], "passed": failed == 0, "machine": environment()}, f,
-                      indent=2)
+            json.dump({"rows": [r.as_dict() for r in rows], "passed": failed == 0, "machine": environment()},
+                      f, indent=2)
     return 1 if failed else 0
 
 

@@ -86,7 +86,8 @@ def compare_greedy(tokens_a, logprobs_a, tokens_b, logprobs_b, k: int | None = N
         if len(a) == len(b):
             reason = f"all {n} tokens identical"
         else:
-            reason = f"identical over the shared {n} tokens ({names[0]} has {len(a)}, {names[1]} has {len(b)})"
+            reason = (f"identical over the shared {n} tokens ({names[0]} has {len(a)}, "
+                      f"{names[1]} has {len(b)})")
         return Comparison(matched, None, True, reason, len(a), len(b))
     lp_a = _check_logprobs(logprobs_a, matched + 1, "logprobs_a")
     lp_b = _check_logprobs(logprobs_b, matched + 1, "logprobs_b")
@@ -152,8 +153,8 @@ def topk_logprobs(model, prompt_ids, continuation_ids, k: int, kv_cache_dtype: s
         from radarlab.kvcache.paged_cache import PagedKVCache
         from radarlab.models.paged_runner import paged_prefill_logits
 
-        cache = PagedKVCache.for_model(cfg, cdiv(n, block_size), block_size, dtype=param.dtype, device=param.device,
-                                       kv_cache_dtype=kv_cache_dtype)
+        cache = PagedKVCache.for_model(cfg, cdiv(n, block_size), block_size, dtype=param.dtype,
+                                       device=param.device, kv_cache_dtype=kv_cache_dtype)
         logits = paged_prefill_logits(model, cache, ids, logits_indices=rows)
     else:
         cache = ContiguousKVCache.for_model(cfg, 1, n, dtype=param.dtype, device=param.device)

@@ -27,7 +27,8 @@ def our_logits(model, token_ids: torch.Tensor) -> torch.Tensor:
     return model(token_ids, meta.positions, cache, meta)
 
 
-def fp64_logit_errors(model, hf_model, lengths=(1, 17, 128, 512), seed: int = 0) -> dict[int, tuple[float, float]]:
+def fp64_logit_errors(model, hf_model, lengths=(1, 17, 128, 512),
+                      seed: int = 0) -> dict[int, tuple[float, float]]:
     """Per prompt length (random tokens): (ours, transformers') max |fp32 logit - exact logit|, exact
     meaning transformers run in float64. Two fp32 forwards whose GEMMs sum in different orders (oneDNN's
     packed GEMM and MKL's, say) differ by about their own rounding error, which grows with the prompt
@@ -56,7 +57,8 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id
     with torch.inference_mode():
         out = hf_model.generate(
             torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id,
+            max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+            pad_token_id=eos_token_id,
         )
     return out[0, len(prompt_ids):].tolist()
 
@@ -65,7 +67,8 @@ def greedy_mismatches(model, hf_model, prompts: list[list[int]], max_new_tokens:
                       eos_token_id: int | None = None) -> list[int]:
     """Indices of prompts whose greedy continuation differs from transformers' (batched on our side)."""
     ours = greedy_generate(model, prompts, max_new_tokens, eos_token_id)
-    return [i for i, p in enumerate(prompts) if ours[i] != hf_greedy(hf_model, p, max_new_tokens, eos_token_id)]
+    return [i for i,
+            p in enumerate(prompts) if ours[i] != hf_greedy(hf_model, p, max_new_tokens, eos_token_id)]
 
 
 def rows(model, hf_model, prompts: list[list[int]], eos_token_id: int | None) -> list[Row]:
@@ -74,7 +77,8 @@ def rows(model, hf_model, prompts: list[list[int]], eos_token_id: int | None) ->
     bad = greedy_mismatches(model, hf_model, prompts, 64, eos_token_id)
     return [
         Row(f"fp32 logits, prompts of {min(errors)}-{max(errors)} tokens", "transformers (eager) in fp64",
-            f"max |dlogit| {ours:.2e}", f"< {ACCURACY_FACTOR:g} x transformers' fp32 ({theirs:.2e}) + {ACCURACY_FLOOR:g}",
+            f"max |dlogit| {ours:.2e}",
+            f"< {ACCURACY_FACTOR:g} x transformers' fp32 ({theirs:.2e}) + {ACCURACY_FLOOR:g}",
             all(as_accurate(*e) for e in errors.values())),
         Row(f"greedy tokens, {len(prompts)} prompts x 64, batched", "transformers generate",
             f"{len(prompts) - len(bad)}/{len(prompts)} identical", "all identical", not bad),

@@ -37,7 +37,8 @@ def ours_for(vllm_dtype: str, rounding: str = "rtz") -> str:
     return f"{name}_rtz" if rounding == "rtz" else name
 
 
-def run_vllm_fp8(prompts, vllm_dtype: str, max_new_tokens: int = NEW_TOKENS, k: int = 5, timeout=None) -> dict:
+def run_vllm_fp8(prompts, vllm_dtype: str, max_new_tokens: int = NEW_TOKENS, k: int = 5,
+                 timeout=None) -> dict:
     """vLLM greedy in fp32 with an FP8 KV cache: tokens, top-k logprobs and the cache it allocated."""
     from radarlab.validate.vllm import DEFAULT_TIMEOUT, greedy_request, run_vllm
 
@@ -59,14 +60,16 @@ def bytes_row(model, vllm_dtype: str, response: dict) -> Row:
     if kv is None:
         return Row(check, ref, "vLLM's cache could not be read", f"= calculator ({ours} B)", False)
     theirs = kv["bytes_per_block"] / kv["block_size"]
-    details = {"isa": kv["isa"], "cpu_kind": cpu_kind(kv["cpu"]["flags"], kv["cpu"]["arch"]) if kv["cpu"] else None,
+    details = {"isa": kv["isa"],
+               "cpu_kind": cpu_kind(kv["cpu"]["flags"], kv["cpu"]["arch"]) if kv["cpu"] else None,
                "num_blocks": kv["num_blocks"], "bytes": kv["bytes"], "bytes_per_block": kv["bytes_per_block"],
                "block_size": kv["block_size"], "tensor": kv["tensors"][0] if kv["tensors"] else None}
     return Row(check, ref, f"vLLM {theirs:g} B ({kv['num_blocks']} blocks x {kv['bytes_per_block']} B / "
                f"{kv['block_size']} tokens), calculator {ours} B", "equal", theirs == ours, details)
 
 
-def greedy_rows(model, prompts, vllm_dtype: str, response: dict, ours: list[list[int]], k: int = 5) -> list[Row]:
+def greedy_rows(model, prompts, vllm_dtype: str, response: dict, ours: list[list[int]],
+                k: int = 5) -> list[Row]:
     """Our greedy tokens (FP8 cache, vLLM CPU's rounding, scale 1.0) against vLLM's by vLLM's rule, with
     max |dlogprob| where the contexts match; and the same logprobs with round-to-nearest-even."""
     from radarlab.validate.vllm_paged import compare_greedy_outputs
@@ -81,13 +84,16 @@ def greedy_rows(model, prompts, vllm_dtype: str, response: dict, ours: list[list
     details = {"isa": kv.get("isa"), "ours": ours_for(vllm_dtype), "k_scale": 1.0, "v_scale": 1.0,
                "max_dlogprob_rtz": dlp, "max_dlogprob_rne": dlp_rne}
     return [
-        Row(f"greedy, kv_cache_dtype={vllm_dtype} (ours {ours_for(vllm_dtype)}, scale 1.0), {len(prompts)} prompts x {n}",
-            ref, f"{sum(r.identical for r in results)}/{len(prompts)} identical, matched {matched[0]}-{matched[-1]}, "
-            f"max |dlogprob| {dlp:.1e}", f"vLLM rule (top-{k}), as vLLM's own FP8 KV tests compare",
+        Row(f"greedy, kv_cache_dtype={vllm_dtype} (ours {ours_for(vllm_dtype)}, scale 1.0), "
+            f"{len(prompts)} prompts x {n}",
+            ref,
+            f"{sum(r.identical for r in results)}/{len(prompts)} identical, matched "
+            f"{matched[0]}-{matched[-1]}, max |dlogprob| {dlp:.1e}",
+            f"vLLM rule (top-{k}), as vLLM's own FP8 KV tests compare",
             all(r.passed for r in results), details),
         Row(f"rounding, kv_cache_dtype={vllm_dtype}: round toward zero vs to nearest even", ref,
-            f"max |dlogprob| rtz {dlp:.1e}, rne {dlp_rne:.1e}", "rtz closer (vLLM's CPU rounding)", dlp < dlp_rne,
-            details),
+            f"max |dlogprob| rtz {dlp:.1e}, rne {dlp_rne:.1e}", "rtz closer (vLLM's CPU rounding)",
+            dlp < dlp_rne, details),
     ]
 
 
@@ -103,10 +109,11 @@ def rows(model, prompts, max_new_tokens: int = NEW_TOKENS, k: int = 5, block_siz
         try:
             response = run_vllm_fp8(prompts, vllm_dtype, max_new_tokens, k, timeout)
         except VLLMError as exc:  # e.g. a CPU without AVX-512: vLLM says why, and the row records it
-            out.append(Row(f"kv_cache_dtype={vllm_dtype}", "vLLM", f"vLLM refused: {str(exc).splitlines()[0]}",
-                           "runs", False))
+            out.append(Row(f"kv_cache_dtype={vllm_dtype}", "vLLM",
+                           f"vLLM refused: {str(exc).splitlines()[0]}", "runs", False))
             continue
         ours = paged_greedy_generate(model, prompts, max_new_tokens, block_size=block_size,
                                      kv_cache_dtype=ours_for(vllm_dtype))
-        out += [bytes_row(model, vllm_dtype, response)] + greedy_rows(model, prompts, vllm_dtype, response, ours, k)
+        out += [bytes_row(model, vllm_dtype, response)] + greedy_rows(model, prompts, vllm_dtype, response,
+                                                                      ours, k)
     return out

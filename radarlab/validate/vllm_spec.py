@@ -25,7 +25,8 @@ VLLM_NUM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens"
 VLLM_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 # The settings of the earlier vLLM measurement (k = 5, min 2, max 4).
-NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+NGRAM_CONFIG = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 4}
 DRAFT_K = 4
 
 
@@ -126,10 +127,12 @@ def run_vllm_spec(prompt_sets: list[list[list[int]]], max_tokens: int, speculati
     outputs = [o["token_ids"] for o in response["outputs"]]
     runs, start, before = [], 0, {}
     for prompts, batch in zip(batches, response["batches"]):
-        run = SpecRun(outputs[start:start + len(prompts)], batch["generate_s"], **spec_counters(before, batch["metrics"]))
+        run = SpecRun(outputs[start:start + len(prompts)], batch["generate_s"],
+                      **spec_counters(before, batch["metrics"]))
         runs.append(run)
         start, before = start + len(prompts), batch["metrics"]
-    info = {"vllm_version": response["vllm_version"], "device": response["device"], "init_s": response["init_s"]}
+    info = {"vllm_version": response["vllm_version"], "device": response["device"],
+            "init_s": response["init_s"]}
     return runs[1:] if warmup else runs, info
 
 
@@ -142,7 +145,8 @@ def run_radarlab_spec(model, prompts: list[list[int]], max_tokens: int, speculat
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed
 
-    engine = Engine(model, blocks_needed(prompts, max_tokens, block_size), block_size, max_num_seqs=len(prompts),
+    engine = Engine(model, blocks_needed(prompts, max_tokens, block_size), block_size,
+                    max_num_seqs=len(prompts),
                     max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=False,
                     speculative_config=speculative_config)
     t0 = time.perf_counter()

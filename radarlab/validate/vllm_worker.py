@@ -149,14 +149,19 @@ CPU_KV_CACHE_BYTES = 1 << 30
 # import radarlab; tests/test_machine.py checks that the two copies agree.
 _ALL_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_ISAS = {
-    "vec": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 32, "head_multiple": 32},
-    "vec16": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 16, "head_multiple": 16},
+    "vec": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 32,
+            "head_multiple": 32},
+    "vec16": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 16,
+              "head_multiple": 16},
     "amx": {"arch": "x86_64", "x86_flags": ("avx512f", "avx512_bf16", "amx_tile", "amx_bf16"),
             "dtypes": ("bfloat16",), "block_multiple": 32, "head_multiple": 32},
-    "neon": {"arch": "aarch64", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+    "neon": {"arch": "aarch64", "x86_flags": (), "dtypes": None, "block_multiple": None,
+             "head_multiple": None},
     "vxe": {"arch": "s390x", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
-    "vsx": {"arch": "ppc64le", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
-    "rvv": {"arch": "riscv64", "x86_flags": (), "dtypes": None, "block_multiple": None, "head_multiple": None},
+    "vsx": {"arch": "ppc64le", "x86_flags": (), "dtypes": None, "block_multiple": None,
+            "head_multiple": None},
+    "rvv": {"arch": "riscv64", "x86_flags": (), "dtypes": None, "block_multiple": None,
+            "head_multiple": None},
 }
 ISA_CHOICES = ("auto", *ATTENTION_ISAS)
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
@@ -261,8 +266,8 @@ def _check_isa(isa, where: str) -> None:
     if missing:
         can = [i for i in ATTENTION_ISAS if not isa_missing(i, cpu["flags"], cpu["arch"])]
         sigill = " Running it would die with SIGILL (illegal instruction)." if cpu["arch"] == "x86_64" else ""
-        raise BadRequest(f"{where}: vLLM's {isa!r} attention kernel needs {', '.join(missing)}, which this CPU "
-                         f"lacks; it can run {can}.{sigill}")
+        raise BadRequest(f"{where}: vLLM's {isa!r} attention kernel needs "
+                         f"{', '.join(missing)}, which this CPU lacks; it can run {can}.{sigill}")
 
 
 def _check_isa_fits(isa: str, dtype: str, block_size: int, head_dim: int, where: str) -> None:
@@ -274,7 +279,8 @@ def _check_isa_fits(isa: str, dtype: str, block_size: int, head_dim: int, where:
     for name, value, multiple in (("block_size", block_size, rule["block_multiple"]),
                                   ("head_dim", head_dim, rule["head_multiple"])):
         if multiple is not None and value % multiple:
-            raise BadRequest(f"{where}: the {isa!r} kernel needs {name} a multiple of {multiple}, got {value}")
+            raise BadRequest(f"{where}: the {isa!r} kernel needs {name} a multiple "
+                             f"of {multiple}, got {value}")
 
 
 def _normalize_session(request: dict) -> dict:
@@ -311,7 +317,8 @@ def _normalize_generate(request: dict) -> dict:
     if req["dtype"] not in DTYPES:
         raise BadRequest(f"dtype must be one of {sorted(DTYPES)}, got {req['dtype']!r}")
     if req["kv_cache_dtype"] not in KV_CACHE_DTYPES:
-        raise BadRequest(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got {req['kv_cache_dtype']!r}")
+        raise BadRequest(f"kv_cache_dtype must be one of {sorted(KV_CACHE_DTYPES)}, got "
+                         f"{req['kv_cache_dtype']!r}")
     for name in ("max_tokens", "max_model_len"):
         if not _is_int(req[name]) or req[name] <= 0:
             raise BadRequest(f"{name} must be a positive integer, got {req[name]!r}")
@@ -320,9 +327,12 @@ def _normalize_generate(request: dict) -> dict:
             raise BadRequest(f"{name} must be a positive integer or null, got {req[name]!r}")
     if not _is_int(req["logprobs"]) or req["logprobs"] < 0:
         raise BadRequest(f"logprobs must be a non-negative integer, got {req['logprobs']!r}")
-    if req["prompt_logprobs"] is not None and (not _is_int(req["prompt_logprobs"]) or req["prompt_logprobs"] < 0):
-        raise BadRequest(f"prompt_logprobs must be a non-negative integer or null, got {req['prompt_logprobs']!r}")
-    if not isinstance(req["temperature"], (int, float)) or isinstance(req["temperature"], bool) or req["temperature"] < 0:
+    if req["prompt_logprobs"] is not None and (not _is_int(req["prompt_logprobs"])
+                                               or req["prompt_logprobs"] < 0):
+        raise BadRequest("prompt_logprobs must be a non-negative integer or null, got "
+                         f"{req['prompt_logprobs']!r}")
+    if not isinstance(req["temperature"], (int, float)) or isinstance(req["temperature"],
+                                                                      bool) or req["temperature"] < 0:
         raise BadRequest(f"temperature must be a number >= 0, got {req['temperature']!r}")
     if not _is_int(req["seed"]):
         raise BadRequest(f"seed must be an integer, got {req['seed']!r}")
@@ -330,7 +340,8 @@ def _normalize_generate(request: dict) -> dict:
         if not isinstance(req[name], bool):
             raise BadRequest(f"{name} must be true or false, got {req[name]!r}")
     if req["enable_prefix_caching"] is not None and not isinstance(req["enable_prefix_caching"], bool):
-        raise BadRequest(f"enable_prefix_caching must be true, false or null, got {req['enable_prefix_caching']!r}")
+        raise BadRequest("enable_prefix_caching must be true, false or null, got "
+                         f"{req['enable_prefix_caching']!r}")
     if req["speculative_config"] is not None and not isinstance(req["speculative_config"], dict):
         raise BadRequest("speculative_config must be an object (dict) or null")
     for name in ("llm_kwargs", "sampling_kwargs"):
@@ -342,8 +353,8 @@ def _normalize_generate(request: dict) -> dict:
     per_batch = req["batch_max_tokens"]
     if per_batch is not None:
         if not isinstance(per_batch, list) or len(per_batch) != len(_batches(req)):
-            raise BadRequest(f"batch_max_tokens must be a list with one entry per batch ({len(_batches(req))}), "
-                             f"got {per_batch!r}")
+            raise BadRequest("batch_max_tokens must be a list with one entry per "
+                             f"batch ({len(_batches(req))}), got {per_batch!r}")
         if not all(_is_int(n) and n > 0 for n in per_batch):
             raise BadRequest(f"batch_max_tokens must hold positive integers, got {per_batch!r}")
     for b, batch in enumerate(_batches(req)):
@@ -552,19 +563,23 @@ def _check_case(case, i: int, torch, isa: str = "auto") -> str:
         if not isinstance(case[n], torch.Tensor):
             raise BadRequest(f"{where}.{n} must be a tensor, got {type(case[n]).__name__}")
     q, k, v = case["query"], case["key"], case["value"]
-    if q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2] or q.shape[1] % k.shape[1]:
-        raise BadRequest(f"{where}: query must be [T, H, D] and key, value [N, Hkv, D] with H a multiple of Hkv; "
-                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if (q.dim() != 3 or k.dim() != 3 or k.shape != v.shape or k.shape[2] != q.shape[2]
+            or q.shape[1] % k.shape[1]):
+        raise BadRequest(f"{where}: query must be [T, H, D] and key, value [N, Hkv, D] "
+                         f"with H a multiple of Hkv; got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise BadRequest(f"{where}: query, key and value must share one of float32, bfloat16, float16; got "
                          f"{q.dtype}, {k.dtype}, {v.dtype}")
     for n in ("block_size", "num_blocks"):
         if not _is_int(case[n]) or case[n] <= 0:
             raise BadRequest(f"{where}.{n} must be a positive integer, got {case[n]!r}")
-    if not isinstance(case["scale"], (int, float)) or isinstance(case["scale"], bool) or not case["scale"] > 0:
+    if not isinstance(case["scale"], (int, float)) or isinstance(case["scale"],
+                                                                 bool) or not case["scale"] > 0:
         raise BadRequest(f"{where}.scale must be a positive number, got {case['scale']!r}")
     num_slots = case["block_size"] * case["num_blocks"]
-    slots, table, seq_lens, starts = (case[n] for n in ("slot_mapping", "block_table", "seq_lens", "query_start_loc"))
+    slots, table, seq_lens, starts = (case[n] for n in ("slot_mapping", "block_table", "seq_lens",
+                                                        "query_start_loc"))
     if slots.shape != (k.shape[0],) or bool(((slots < -1) | (slots >= num_slots)).any()):
         raise BadRequest(f"{where}.slot_mapping must hold {k.shape[0]} slots in -1..{num_slots - 1}")
     num_seqs = seq_lens.numel()
@@ -574,7 +589,8 @@ def _check_case(case, i: int, torch, isa: str = "auto") -> str:
         raise BadRequest(f"{where}.block_table must be [len(seq_lens), max_blocks], got {tuple(table.shape)}")
     needed = -(-seq_lens.long() // case["block_size"])
     if num_seqs and int(needed.max()) > table.shape[1]:
-        raise BadRequest(f"{where}.block_table has {table.shape[1]} columns; a sequence needs {int(needed.max())}")
+        raise BadRequest(f"{where}.block_table has {table.shape[1]} columns; a sequence "
+                         f"needs {int(needed.max())}")
     used = torch.arange(table.shape[1])[None, :] < needed[:, None]
     if bool((used & ((table < 0) | (table >= case["num_blocks"]))).any()):
         raise BadRequest(f"{where}.block_table points outside the pool of {case['num_blocks']} blocks")
@@ -662,9 +678,10 @@ def _run_attention_op(req: dict) -> dict:
         num_kv_heads, block_size, num_blocks = case["key"].shape[1], case["block_size"], case["num_blocks"]
         # The engine's cache: [num_blocks, num_kv_heads, block_size, 2 * head_dim], split as in forward().
         kv_cache = torch.zeros(num_blocks, num_kv_heads, block_size, 2 * head_dim, dtype=dtype)
-        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size, head_dim).chunk(2, dim=2)
-        ops.cpu_attn_reshape_and_cache(case["key"].contiguous(), case["value"].contiguous(), key_cache, value_cache,
-                                       case["slot_mapping"].to(torch.int64), isa)
+        key_cache, value_cache = kv_cache.view(num_blocks, num_kv_heads, 2 * block_size,
+                                               head_dim).chunk(2, dim=2)
+        ops.cpu_attn_reshape_and_cache(case["key"].contiguous(), case["value"].contiguous(), key_cache,
+                                       value_cache, case["slot_mapping"].to(torch.int64), isa)
         seq_lens = case["seq_lens"].to(torch.int32)
         starts = case["query_start_loc"].to(torch.int32)
         metadata = ops.cpu_attn_get_scheduler_metadata(
@@ -676,7 +693,8 @@ def _run_attention_op(req: dict) -> dict:
         ops.cpu_attention_with_kv_cache(
             query=q, key_cache=key_cache, value_cache=value_cache, output=out, query_start_loc=starts,
             seq_lens=seq_lens, scale=float(case["scale"]), causal=True, alibi_slopes=None, sliding_window=-1,
-            block_table=case["block_table"].to(torch.int32), softcap=0.0, scheduler_metadata=metadata, s_aux=None,
+            block_table=case["block_table"].to(torch.int32), softcap=0.0, scheduler_metadata=metadata,
+            s_aux=None,
         )
         outputs.append(out)
         info.append({"isa": isa, "requested": asked, "shape": list(out.shape)})

@@ -91,10 +91,11 @@ def code_info(code: int, fmt: str = "e4m3") -> CodeInfo:
         kind = "zero"
     else:
         kind = "subnormal" if exponent == 0 else "normal"
-    up = fp8.decode_code((code & 0x7F) + 1, fmt) if kind not in ("nan", "inf") and code & 0x7F < 0x7F else math.nan
+    up = fp8.decode_code((code & 0x7F) + 1, fmt) if kind not in ("nan",
+                                                                 "inf") and code & 0x7F < 0x7F else math.nan
     next_up = up if math.isfinite(up) else None
-    return CodeInfo(code, fmt, code >> 7, exponent, code & ((1 << man_bits) - 1), exp_bits, man_bits, bias, kind,
-                    value, next_up)
+    return CodeInfo(code, fmt, code >> 7, exponent, code & ((1 << man_bits) - 1), exp_bits, man_bits, bias,
+                    kind, value, next_up)
 
 
 def all_codes(fmt: str = "e4m3") -> list[CodeInfo]:
@@ -108,7 +109,8 @@ def caption(info: CodeInfo) -> str:
     if info.is_max:
         return head + "; the largest finite value: anything beyond it saturates here"
     if info.step is not None and info.kind != "zero":
-        return head + f"; next code up {info.next_up:.6g}, a step of {info.step:.3g} ({info.step / abs(info.value):.1%})"
+        return head + (f"; next code up {info.next_up:.6g}, a step of {info.step:.3g} "
+                       f"({info.step / abs(info.value):.1%})")
     if info.kind == "zero":
         return head + f"; next code up {info.next_up:.3g}, the smallest subnormal"
     return head
@@ -139,11 +141,12 @@ def draw_code(fig, info: CodeInfo) -> None:
     for i, (field, bit) in enumerate(zip(fields, f"{info.code:08b}")):
         bits_ax.add_patch(_box(i * 1.1, 0.3, 1.0, 0.6, COLORS[field]))
         bits_ax.text(i * 1.1 + 0.5, 0.6, bit, ha="center", va="center", fontsize=14, family="monospace")
-    for field, first, count in (("sign", 0, 1), ("exponent", 1, info.exp_bits), ("mantissa", 1 + info.exp_bits,
+    for field, first, count in (("sign", 0, 1), ("exponent", 1, info.exp_bits),
+                                ("mantissa", 1 + info.exp_bits,
                                                                                     info.man_bits)):
         bits_ax.text((first + count / 2) * 1.1 - 0.05, 0.12, field, ha="center", va="center", fontsize=9)
-    bits_ax.text(8 * 1.1 + 0.5, 0.75, f"0x{info.code:02X}  {FORMAT_NAMES[info.fmt]}", fontsize=12, va="center",
-                 weight="bold")
+    bits_ax.text(8 * 1.1 + 0.5, 0.75, f"0x{info.code:02X}  {FORMAT_NAMES[info.fmt]}", fontsize=12,
+                 va="center", weight="bold")
     bits_ax.text(8 * 1.1 + 0.5, 0.35, info.formula, fontsize=10, va="center")
 
     line = fig.add_axes((0.04, 0.2, 0.92, 0.26))
@@ -170,7 +173,8 @@ def draw_code(fig, info: CodeInfo) -> None:
     line.set_xlim(lo - 2.2, hi + 3.8)
     line.set_ylim(0, 1)
     ticks = [e for e in range(math.ceil(lo), math.floor(hi) + 1) if e % (2 if hi - lo < 20 else 4) == 0]
-    line.set_xticks(ticks + list(special), [f"$2^{{{e}}}$" for e in ticks] + list(special.values()), fontsize=9)
+    line.set_xticks(ticks + list(special), [f"$2^{{{e}}}$" for e in ticks] + list(special.values()),
+                    fontsize=9)
     line.set_yticks([])
     for side_name in ("left", "right", "top"):
         line.spines[side_name].set_visible(False)

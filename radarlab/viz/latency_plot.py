@@ -22,7 +22,8 @@ def _log_axes(ax, xs, base_x: int = 2) -> None:
 
 def _quantiles(ax, xs, rows, key: str, scale: float) -> None:
     for q, style in [("p50", "o-"), ("p99", "s--")]:
-        ax.plot(xs, [r[key][q] * scale if r[key][q] is not None else float("nan") for r in rows], style, label=q)
+        ax.plot(xs, [r[key][q] * scale if r[key][q] is not None else float("nan") for r in rows], style,
+                label=q)
 
 
 def plot_latency_sweep(results: Sequence[dict], budget_sweep: Sequence[dict] | None = None,

@@ -3,7 +3,17 @@ from __future__ import annotations
 
 from typing import Hashable, Sequence
 
-from radarlab.lab.timeline import DECODE, DONE, PREFILL, RECOMPUTE, STATES, VERIFY, WAITING, StepRecord, state_grid
+from radarlab.lab.timeline import (
+    DECODE,
+    DONE,
+    PREFILL,
+    RECOMPUTE,
+    STATES,
+    VERIFY,
+    WAITING,
+    StepRecord,
+    state_grid,
+)
 
 STATE_COLORS = {WAITING: "#d9d9d9", PREFILL: "tab:orange", RECOMPUTE: "tab:red", DECODE: "tab:blue",
                 VERIFY: "tab:green", DONE: "white"}

@@ -12,14 +12,20 @@ vLLM's attention backends are (vllm/v1/attention/backends/). Each has two steps:
 Which configuration runs which code (get_attn_backend picks; Engine(backend=..., kv_cache_dtype=...,
 cpu_ops=...) and PagedKVCache(...) decide):
 
-| configuration                               | backend                 | KV write                        | attention                                     |
-|---------------------------------------------|-------------------------|---------------------------------|-----------------------------------------------|
-| backend="torch", 16/32-bit, C++ ops built   | CpuBackend              | torch.ops.radarlab.reshape_and_cache | decodes: cpu_decode.paged_decode_cpu; chunks: sdpa_paged |
-| backend="torch", 16/32-bit, no C++ ops      | TorchSDPABackend        | kv_write.reshape_and_cache      | sdpa_paged.paged_attention_sdpa               |
-| backend="triton", 16/32-bit                 | TritonBackend           | triton_paged.triton_reshape_and_cache | triton_paged.triton_paged_attention     |
-| backend="torch", any quantized dtype        | QuantizedTorchBackend   | kv_write.reshape_and_cache (KIVI: KiviStore.write) | torch_paged.paged_attention_torch over QuantizedPool views |
-| backend="triton", any quantized dtype       | QuantizedTritonBackend  | triton_quant.triton_quant_reshape_and_cache (KIVI: triton_kivi_quantize_groups) | triton_quant.triton_quant_paged_attention |
-| ContiguousKVCache (notebook 02, generate.py) | ContiguousBackend      | contiguous.append_to_row        | reference.attention_reference                  |
+Each configuration, then its backend; its KV write; its attention:
+
+- backend="torch", 16/32-bit, C++ ops built: CpuBackend; torch.ops.radarlab.reshape_and_cache;
+  decodes: cpu_decode.paged_decode_cpu, chunks: sdpa_paged
+- backend="torch", 16/32-bit, no C++ ops: TorchSDPABackend; kv_write.reshape_and_cache;
+  sdpa_paged.paged_attention_sdpa
+- backend="triton", 16/32-bit: TritonBackend; triton_paged.triton_reshape_and_cache;
+  triton_paged.triton_paged_attention
+- backend="torch", any quantized dtype: QuantizedTorchBackend; kv_write.reshape_and_cache (KIVI:
+  KiviStore.write); torch_paged.paged_attention_torch over QuantizedPool views
+- backend="triton", any quantized dtype: QuantizedTritonBackend; triton_quant.triton_quant_reshape_and_cache
+  (KIVI: triton_kivi_quantize_groups); triton_quant.triton_quant_paged_attention
+- ContiguousKVCache (notebook 02, generate.py): ContiguousBackend; contiguous.append_to_row;
+  reference.attention_reference
 
 The reference math (reference.py) and torch_paged.py's split-KV decode are what the kernels are
 tested against (tests, radarlab.lab.kernel_bench); the Triton split-KV decode runs there and in
@@ -42,11 +48,12 @@ BACKENDS = {"contiguous": ContiguousBackend(), "torch_sdpa": TorchSDPABackend(),
 
 
 def get_attn_backend(kv_cache):
-    """The backend that runs this cache's configuration (the table above)."""
+    """The backend that runs this cache's configuration (the list above)."""
     if isinstance(kv_cache, ContiguousKVCache):
         return BACKENDS["contiguous"]
     if not isinstance(kv_cache, PagedKVCache):
-        raise TypeError(f"kv_cache must be a PagedKVCache or ContiguousKVCache, got {type(kv_cache).__name__}")
+        raise TypeError(f"kv_cache must be a PagedKVCache or ContiguousKVCache, got "
+                        f"{type(kv_cache).__name__}")
     if kv_cache.kv_format.is_quantized:
         return BACKENDS["quantized_triton" if kv_cache.backend == "triton" else "quantized_torch"]
     if kv_cache.backend == "triton":
@@ -79,8 +86,8 @@ def write_kv(kv_cache, layer: int, k, v, slot_mapping) -> None:
     attention (tests, the comparison of cache layouts with vLLM's). Checked here, every call."""
     if kv_cache.kivi is not None or kv_cache.sinks is not None:
         raise ValueError(f"a {kv_cache.kv_format.name} cache is written by attention_forward: which groups a "
-                         f"write quantizes, and which tokens are a sequence's sink, depend on the step's block "
-                         f"tables and sequence lengths")
+                         f"write quantizes, and which tokens are a sequence's sink, depend on the step's "
+                         f"block tables and sequence lengths")
     kv_cache.check_kv(layer, k, v)
     slot_mapping = slot_mapping.to(kv_cache.k.device)
     validate_slot_mapping(slot_mapping, k.shape[0], kv_cache.num_slots)

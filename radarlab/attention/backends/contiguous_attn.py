@@ -25,8 +25,10 @@ class ContiguousBackend:
         bounds = meta.query_start_loc.tolist()
         for b, (row, seq_len) in enumerate(zip(meta.cache_rows.tolist(), meta.seq_lens.tolist())):
             if seq_len > kv_cache.max_len:
-                raise KVCacheFull(f"sequence {b} needs {seq_len} positions; the cache row holds {kv_cache.max_len}")
+                raise KVCacheFull(f"sequence {b} needs {seq_len} positions; the cache "
+                                  f"row holds {kv_cache.max_len}")
             lo, hi = bounds[b], bounds[b + 1]
-            keys, values = append_to_row(kv_cache.k[layer], kv_cache.v[layer], row, seq_len, k[lo:hi], v[lo:hi])
+            keys, values = append_to_row(kv_cache.k[layer], kv_cache.v[layer], row, seq_len, k[lo:hi],
+                                         v[lo:hi])
             out[lo:hi] = attention_reference(q[lo:hi], keys, values, scale)
         return out

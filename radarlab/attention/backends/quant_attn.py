@@ -15,14 +15,15 @@ class QuantizedBackend(PagedBackend):
     def plan_step(self, meta: AttentionMetadata, kv_cache, layer: int | None) -> AttentionMetadata:
         stores = [s for s in (kv_cache.kivi, kv_cache.sinks) if s is not None]
         if stores and layer not in (None, 0):
-            raise ValueError(f"a {kv_cache.kv_format.name} cache plans each step's writes before layer 0: build the "
-                             f"step's metadata once (radarlab.attention.backends.build_metadata) and pass it to "
-                             f"every layer")
+            raise ValueError(f"a {kv_cache.kv_format.name} cache plans each step's writes "
+                             "before layer 0: build the step's metadata once "
+                             f"(radarlab.attention.backends.build_metadata) and pass it to every layer")
         if kv_cache.sinks is not None:
-            kv_cache.sinks.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc)
+            kv_cache.sinks.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                      meta.query_start_loc)
         if kv_cache.kivi is not None:
-            kv_cache.kivi.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     self.quantize_groups())
+            kv_cache.kivi.begin_step(meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, self.quantize_groups())
         return meta
 
     def write(self, layer: int, k, v, meta: AttentionMetadata, kv_cache) -> None:
@@ -50,8 +51,8 @@ class QuantizedTorchBackend(QuantizedBackend):
             fmt = kv_cache.kv_format
             settling = (*kv_cache.layer_pools(layer, fresh=True),
                         lambda n: quantized_length(n, fmt.group_size, fmt.residual))
-        return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-                                     scale, check=False, settling=settling)
+        return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
+                                     meta.query_start_loc, scale, check=False, settling=settling)
 
 
 class QuantizedTritonBackend(QuantizedBackend):

@@ -29,7 +29,8 @@ class TorchSDPABackend(PagedBackend):
 
     def write(self, layer: int, k, v, meta: AttentionMetadata, kv_cache) -> None:
         # the step's plan knows whether any slot is padding, so no layer's write has to look
-        reshape_and_cache(k, v, kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping, padded=meta.plan.padded)
+        reshape_and_cache(k, v, kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping,
+                          padded=meta.plan.padded)
 
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, kv_cache, scale: float):
         self.write(layer, k, v, meta, kv_cache)

@@ -16,5 +16,5 @@ class TritonBackend(PagedBackend):
         from radarlab.attention.triton_paged import triton_paged_attention  # imports triton
 
         self.write_slots(layer, k, v, meta.slot_mapping, kv_cache)
-        return triton_paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta.block_tables, meta.seq_lens,
-                                      meta.query_start_loc, scale, check=False)
+        return triton_paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta.block_tables,
+                                      meta.seq_lens, meta.query_start_loc, scale, check=False)
