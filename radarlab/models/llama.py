@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as nn_module  # its global hook registries
 
-from radarlab.attention.backends import attention_forward
+from radarlab.attention.backends import attention_forward, ensure_built
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.models.linear import Linear, PackedWeight, fused_linear
@@ -284,6 +284,7 @@ class Llama(nn.Module):
                 f"position {int(positions.max())} is past the model's maximum context "
                 f"({self.config.max_position_embeddings} tokens)"
             )
+        meta = ensure_built(kv_cache, meta)  # validated and planned once, not in each of the layers
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         ops = self.cpu_ops(x)
@@ -298,6 +299,7 @@ class Llama(nn.Module):
 def final_features(model: Llama, input_ids, positions, kv_cache, meta) -> torch.Tensor:
     """The normed last hidden states [T, hidden] of packed tokens: what the LM head reads, and what an
     EAGLE-style draft head (radarlab.spec_decode.draft_head) reads as the target's features."""
+    meta = ensure_built(kv_cache, meta)
     x = model.embed_tokens(input_ids)
     cos, sin = model.rope(positions, x.dtype)
     ops = model.cpu_ops(x)

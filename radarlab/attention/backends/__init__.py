@@ -69,13 +69,26 @@ def build_metadata(kv_cache, meta: AttentionMetadata, backend=None) -> Attention
     return backend.build(meta, kv_cache)
 
 
+def backend_of(kv_cache, meta: AttentionMetadata):
+    """The backend that runs meta on this cache: one of one's own that built it, else radarlab's for
+    the cache's settings (metadata built for another cache is built again, by the right one)."""
+    if meta.backend is None or meta.backend in BACKENDS.values():
+        return get_attn_backend(kv_cache)
+    return meta.backend
+
+
+def ensure_built(kv_cache, meta: AttentionMetadata) -> AttentionMetadata:
+    """meta as this cache's backend builds it, built now if it was not: once per forward pass, so
+    layers never build (the model calls this; the model runner has built it already)."""
+    backend = backend_of(kv_cache, meta)
+    return meta if backend.is_built(meta, kv_cache) else backend.build(meta, kv_cache)
+
+
 def attention_forward(kv_cache, layer: int, q, k, v, meta: AttentionMetadata, scale: float):
     """One layer: write this step's K/V, attend, with the backend that built meta. Metadata built for
     another pool, or never built, is built here (checked again), except for formats whose write is
     planned per step (KIVI, sinks), which must be built once per step, before layer 0."""
-    backend = meta.backend
-    if backend is None or backend in BACKENDS.values():  # radarlab's own: the one for this cache's settings
-        backend = get_attn_backend(kv_cache)
+    backend = backend_of(kv_cache, meta)
     if not backend.is_built(meta, kv_cache):
         meta = backend.build(meta, kv_cache, layer)
     return backend.forward(layer, q, k, v, meta, kv_cache, scale)
