@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
@@ -46,7 +46,8 @@ def pool(model, num_blocks, block_size, prefix=True):
 @pytest.mark.parametrize("block_size", [1, 2, 4, 16])
 @pytest.mark.parametrize("prefix", [True, False])
 def test_greedy_equals_contiguous(tiny, reference, block_size, prefix):
-    assert paged_greedy_generate(tiny, PROMPTS, NEW, block_size=block_size, enable_prefix_caching=prefix) == reference
+    got = paged_greedy_generate(tiny, PROMPTS, NEW, block_size=block_size, enable_prefix_caching=prefix)
+    assert got == reference
 
 
 def test_same_batch_prefix_hit_is_used_and_correct(tiny, reference):
@@ -54,7 +55,8 @@ def test_same_batch_prefix_hit_is_used_and_correct(tiny, reference):
     prompt 0's tokens in each layer before prompt 1's queries read it."""
     manager, cache = pool(tiny, 40, 4)
     assert paged_greedy_generate(tiny, PROMPTS, NEW, manager=manager, cache=cache) == reference
-    assert manager.prefix_cache_stats.hits == 8  # prompt 1: blocks [1..4] and [5..8]; prompt 3 is all one token
+    # prompt 1: blocks [1..4] and [5..8]; prompt 3 is all one token
+    assert manager.prefix_cache_stats.hits == 8
     assert not manager.block_tables and manager.block_pool.num_used_blocks == 0  # every sequence freed
 
 
@@ -63,7 +65,8 @@ def test_second_call_hits_the_cache_and_recomputes_the_last_block(tiny, referenc
     paged_greedy_generate(tiny, PROMPTS, NEW, manager=manager, cache=cache)
     before = manager.prefix_cache_stats.hits
     assert paged_greedy_generate(tiny, PROMPTS, NEW, manager=manager, cache=cache) == reference
-    # 9 tokens: 2 blocks hit; 10: 2; 2: none; 8 (block-aligned): 1, since the block with the last token is recomputed
+    # 9 tokens: 2 blocks hit; 10: 2; 2: none; 8 (block-aligned): 1, since the block with the last token
+    # is recomputed
     assert manager.prefix_cache_stats.hits - before == 4 * (2 + 2 + 0 + 1)
 
 
@@ -166,7 +169,8 @@ def test_bad_input(tiny):
     with pytest.raises(ValueError, match="both manager and cache"):
         paged_greedy_generate(tiny, [[1]], 1, manager=manager)
     with pytest.raises(ValueError, match="different pools"):
-        paged_greedy_generate(tiny, [[1]], 1, manager=manager, cache=PagedKVCache.for_model(tiny.config, 8, 2))
+        other = PagedKVCache.for_model(tiny.config, 8, 2)
+        paged_greedy_generate(tiny, [[1]], 1, manager=manager, cache=other)
     with pytest.raises(ValueError, match="distinct ids"):
         paged_greedy_generate(tiny, [[1], [2]], 1, seq_ids=["x", "x"])
     with pytest.raises(ValueError, match="prompt 0 is empty"):
@@ -191,7 +195,8 @@ def test_course_model_with_shared_prefix_equals_contiguous(model, prompts):
     assert paged_greedy_generate(model, batch, 5, manager=manager, cache=cache) == want
     assert manager.prefix_cache_stats.hits == 12
     assert paged_greedy_generate(model, batch[:2], 5, manager=manager, cache=cache) == want[:2]
-    assert manager.prefix_cache_stats.hits == 12 + 2 * 16  # 17 tokens each: 4 full blocks before the last token
+    # 17 tokens each: 4 full blocks before the last token
+    assert manager.prefix_cache_stats.hits == 12 + 2 * 16
 
 
 def test_num_logits_returns_every_verified_position(tiny):

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler
-from radarlab.sample.sampler import sample
-from radarlab.sample.sampler import apply_top_k_top_p
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
+from radarlab.sample.sampler import apply_top_k_top_p, sample
 
 
 def make(num_blocks=16, block_size=4, **kw):
@@ -276,8 +275,10 @@ def test_drafts_count_in_the_budget_and_get_slots_and_those_past_it_are_dropped(
     add_drafts(a, [7, 8, 9, 10, 11])  # 1 + 5 tokens to compute, budget 4: two drafts go
     out = sched.schedule()
     assert out.num_scheduled_tokens == [4] and out.num_spec_tokens == [3]
-    assert a.spec_token_ids == [7, 8, 9] and a.num_tokens == 5 and a.num_tokens_with_spec == 8  # never among the tokens
-    assert len(a.block_hashes) == 5 // manager.block_size == 1  # nor hashed: with them, two blocks would be full
+    # never among the tokens
+    assert a.spec_token_ids == [7, 8, 9] and a.num_tokens == 5 and a.num_tokens_with_spec == 8
+    # nor hashed: with them, two blocks would be full
+    assert len(a.block_hashes) == 5 // manager.block_size == 1
     assert manager.num_slots(a) == 8 and len(manager.get_block_table(a)) == 2  # the drafts' slots, reserved
     free = manager.num_free_blocks
     sched.update(out, [3])  # all three rejected: their positions count as not computed, their slots stay

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from radarlab.cpu_ops import load_cpu_ops
+from radarlab.kvcache.block_table import compute_slot_mapping
 
 DECODES_PER_BUCKET = 16  # a bucket per this many decodes, up to max_buckets (measured: no gain at 16)
 
@@ -84,12 +85,6 @@ class PagedSDPAPlan:
         return max((b.context for b in self.decodes), default=0)
 
 
-def _slots(block_tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Pool rows (block_id * block_size + offset) of positions [B, T] of each sequence's block table."""
-    blocks = block_tables.long().gather(1, torch.div(positions, block_size, rounding_mode="floor"))
-    return blocks * block_size + positions % block_size
-
-
 def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
                     block_size: int, slot_mapping: torch.Tensor | None = None, max_buckets: int = 4,
                     decode_kernel: bool = False) -> PagedSDPAPlan:
@@ -120,7 +115,8 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     for b, (lo, hi, seq_len, decode) in enumerate(zip(bounds, bounds[1:], lens, decodes)):
         if decode or hi == lo:
             continue
-        slots = _slots(block_tables[b:b + 1], torch.arange(seq_len, device=device)[None, :], block_size)[0]
+        keys = torch.arange(seq_len, device=device)[None, :]
+        slots = compute_slot_mapping(block_tables[b:b + 1], keys, block_size)[0]
         mask = None
         if hi - lo != seq_len:  # a chunk: query i sits at position seq_len - (hi - lo) + i
             first = seq_len - (hi - lo)
@@ -148,7 +144,7 @@ def _bucket(seqs: list[int], lens: list[int], block_tables, query_start_loc, blo
     context = max(lens[b] for b in seqs)
     # past its length, each sequence re-reads its last token: finite, and masked out
     positions = torch.minimum(torch.arange(context, device=device)[None, :], seq_lens[:, None] - 1)
-    slots = _slots(block_tables[index], positions, block_size).flatten()
+    slots = compute_slot_mapping(block_tables[index], positions, block_size).flatten()
     mask = None
     if min(lens[b] for b in seqs) < context:
         mask = (torch.arange(context, device=device)[None, :] < seq_lens[:, None])[:, None, None, :]

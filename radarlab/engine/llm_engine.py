@@ -1,17 +1,19 @@
 """The engine: requests in, tokens out, one scheduler step and one packed forward pass at a time.
 
 Engine owns the pool (PagedKVCache) and the block manager; each step asks the Scheduler what to
-compute, copies copy-on-write blocks, runs radarlab.models.paged_runner.paged_step, samples the
-requests whose prompt (or recompute) is complete, and finishes those that hit a stop condition.
+compute, hands its output to the ModelRunner (radarlab.engine.model_runner: execute_model, one
+forward pass), samples the requests whose prompt (or recompute) is complete, and finishes those that
+hit a stop condition.
 It plays vLLM's LLMEngine / EngineCore (vllm/v1/engine/); generate and stream are the LLM.generate
 and streaming entry points.
 
 With speculative_config (radarlab.spec_decode.speculative_config: vLLM's keys), each step first asks the
 proposer for drafts for the decoding requests, kept in their spec_token_ids (beside the tokens, as
 vLLM v1 does); the step's forward pass then verifies them (logits at the last token and at every
-draft), radarlab.sample.rejection_sampler decides how many are accepted, Scheduler.update counts
-the rejected drafts' positions as not computed (their slots stay reserved, as in vLLM), and the
-accepted drafts join the tokens with the target's own token. spec_stats counts drafts and acceptances.
+draft: the rows SpecDecodeMetadata locates), radarlab.sample.rejection_sampler decides how many
+are accepted, Scheduler.update counts the rejected drafts' positions as not computed (their slots
+stay reserved, as in vLLM), and the accepted drafts join the tokens with the target's own token.
+spec_stats counts drafts and acceptances.
 A proposer with an `observe` method (EAGLE) also gets the target's features of every computed token.
 """
 from __future__ import annotations
@@ -22,17 +24,17 @@ from typing import Hashable, Iterator, Sequence
 
 import torch
 
-from radarlab.sample.sampling_params import SamplingParams
+from radarlab.engine.model_runner import ModelRunner
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.sample.sampler import sample
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
-from radarlab.models.paged_runner import paged_step
-from radarlab.spec_decode.speculative_config import make_proposer
-from radarlab.spec_decode.metrics import SpecDecodingStats
 from radarlab.sample.rejection_sampler import rejection_sample
+from radarlab.sample.sampler import sample
+from radarlab.sample.sampling_params import SamplingParams
+from radarlab.spec_decode.metrics import SpecDecodingStats
+from radarlab.spec_decode.speculative_config import make_proposer
 from radarlab.util import require_int
 
 
@@ -70,7 +72,8 @@ class Engine:
         they can be built; the model's own are Llama.use_cpu_ops)."""
         cfg = model.config
         if max_model_len is not None:
-            require_int("max_model_len (at most the model's context)", max_model_len, 1, cfg.max_position_embeddings)
+            require_int("max_model_len (at most the model's context)", max_model_len, 1,
+                        cfg.max_position_embeddings)
         param = next(model.parameters())
         if (num_blocks is None) == (kv_cache_bytes is None):
             raise ValueError("give num_blocks or kv_cache_bytes (a byte budget for the pool), not both")
@@ -82,15 +85,18 @@ class Engine:
         if max_model_len is None:  # the model's context, as far as the pool holds it
             max_model_len = min(cfg.max_position_embeddings, pool_tokens)
         elif max_model_len > pool_tokens:  # vLLM refuses this at startup too: a long request could never run
-            raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache: its {num_blocks} blocks of "
-                             f"{block_size} hold {pool_tokens} tokens; give more blocks (or kv_cache_bytes) or a "
-                             f"smaller max_model_len")
+            raise ValueError(f"max_model_len={max_model_len} does not fit the KV cache: its {num_blocks} "
+                             f"blocks of {block_size} hold {pool_tokens} tokens; give more blocks (or "
+                             f"kv_cache_bytes) or a smaller max_model_len")
         self.model = model
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
-                                            backend=backend, kv_cache_dtype=kv_cache_dtype,
-                                            max_num_seqs=max_num_seqs, cpu_ops=cpu_ops)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
+        self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype,
+                                            device=param.device, backend=backend,
+                                            kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
+                                            cpu_ops=cpu_ops)
+        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                   watermark)
+        self.runner = ModelRunner(model, self.cache)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self._ids = itertools.count()
@@ -98,7 +104,8 @@ class Engine:
         self.last_scheduled: SchedulerOutput | None = None  # what the latest step ran (timelines, tests)
         self.proposer = None if speculative_config is None else make_proposer(
             speculative_config, model, num_blocks, block_size, max_model_len, backend)
-        self.spec_stats = None if self.proposer is None else SpecDecodingStats(self.proposer.num_speculative_tokens)
+        self.spec_stats = (None if self.proposer is None
+                           else SpecDecodingStats(self.proposer.num_speculative_tokens))
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -154,22 +161,17 @@ class Engine:
         outputs = [self._output(r, []) for r in sched.errored]
         if not sched.requests:
             return outputs
-        self.cache.copy_blocks(sched.copy_pairs)
-        num_logits = [1 + k for k in sched.num_spec_tokens]  # a verify step needs a row per draft too
         observe = getattr(self.proposer, "observe", None)  # a proposer that reads the target's features
-        logits = paged_step(self.model, self.cache, self.manager, sched.requests, sched.num_computed_tokens,
-                            sched.num_scheduled_tokens, num_logits if any(sched.num_spec_tokens) else None,
-                            return_features=observe is not None,
-                            spec_token_ids=[r.spec_token_ids for r in sched.requests])
+        out = self.runner.execute_model(sched, return_features=observe is not None)
         if observe is not None:
-            logits, features = logits
             starts = itertools.accumulate(sched.num_scheduled_tokens, initial=0)
-            for r, done, lo, n in zip(sched.requests, sched.num_computed_tokens, starts, sched.num_scheduled_tokens):
-                observe(r, done, features[lo:lo + n])
+            for r, done, lo, n in zip(sched.requests, sched.num_computed_tokens, starts,
+                                      sched.num_scheduled_tokens):
+                observe(r, done, out.features[lo:lo + n])
         self.num_steps += 1
         if self.spec_stats is not None:
             self.spec_stats.num_forwards += 1
-        ends = list(itertools.accumulate(num_logits))  # one past each request's last logits row
+        logits, spec = out.logits, out.spec_decode_metadata
         rows = [b for b, (r, done, n) in enumerate(zip(sched.requests, sched.num_computed_tokens,
                                                         sched.num_scheduled_tokens))
                 if done + n == r.num_tokens_with_spec]  # prompt (or recompute) complete: sample
@@ -177,14 +179,14 @@ class Engine:
         emitted = {}  # b -> this step's tokens
         if plain:
             done = [sched.requests[b] for b in plain]
-            last = [ends[b] - 1 for b in plain]
+            last = [out.last_row(b) for b in plain]
             picked = logits if last == list(range(logits.shape[0])) else logits[last]  # decode steps: no copy
             tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
             emitted.update((b, [t]) for b, t in zip(plain, tokens))
         num_rejected = [0] * len(sched.requests)
         for b in rows:
             if sched.num_spec_tokens[b]:
-                emitted[b] = self._verify(sched.requests[b], logits[ends[b] - num_logits[b]:ends[b]])
+                emitted[b] = self._verify(sched.requests[b], logits[spec.rows(b)])
                 num_rejected[b] = sched.num_spec_tokens[b] - (len(emitted[b]) - 1)
         self.scheduler.update(sched, num_rejected)  # the one place num_computed_tokens moves
         if not rows:
@@ -193,7 +195,7 @@ class Engine:
         for b in plain:
             request = sched.requests[b]
             if request.params.n > 1 and not request.forked:
-                forked += self._fork(request, logits[ends[b] - 1])
+                forked += self._fork(request, logits[out.last_row(b)])
         for b in rows:
             outputs.append(self._commit(sched.requests[b], emitted[b]))
         for child, token in forked:
@@ -218,13 +220,15 @@ class Engine:
             return
         for request, k, proposal in zip(ready, limits, self.proposer.propose(ready, limits)):
             drafts = proposal.draft_token_ids[:k]
-            bad = [t for t in drafts if not 0 <= t < self.model.config.vocab_size]
+            vocab = self.model.config.vocab_size
+            bad = [t for t in drafts if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"the proposer drafted token ids {bad} for request {request.request_id!r}, outside "
-                                 f"the target's vocabulary (0..{self.model.config.vocab_size - 1})")
+                raise ValueError(f"the proposer drafted token ids {bad} for request "
+                                 f"{request.request_id!r}, outside the target's vocabulary (0..{vocab - 1})")
             if drafts:
                 request.spec_token_ids = drafts
-                request.spec_probs = None if proposal.draft_probs is None else proposal.draft_probs[:len(drafts)]
+                probs = proposal.draft_probs
+                request.spec_probs = None if probs is None else probs[:len(drafts)]
 
     def _verify(self, request: Request, logits: torch.Tensor) -> list[int]:
         """Rejection-sample the request's drafts against logits [k+1, V]: the accepted drafts, then the
@@ -262,8 +266,8 @@ class Engine:
         children = []
         for i in range(1, p.n):
             params = replace(p, n=1, seed=None if p.seed is None else p.seed + i)
-            child = Request((parent.request_id, i), parent.prompt_token_ids, params, parent_id=parent.request_id,
-                            index=i, block_size=self.manager.block_size)
+            child = Request((parent.request_id, i), parent.prompt_token_ids, params,
+                            parent_id=parent.request_id, index=i, block_size=self.manager.block_size)
             child.forked = True
             self.scheduler.add_forked(parent, child)
             children.append(child)
@@ -282,8 +286,8 @@ class Engine:
 
     @staticmethod
     def _output(request: Request, new: list[int]) -> RequestOutput:
-        return RequestOutput(request.request_id, request.prompt_token_ids, list(request.output_token_ids), new,
-                             request.status, request.error, request.parent_id, request.index)
+        return RequestOutput(request.request_id, request.prompt_token_ids, list(request.output_token_ids),
+                             new, request.status, request.error, request.parent_id, request.index)
 
     # --- whole workloads --------------------------------------------------------------------------
     def _add_all(self, prompts, params) -> list[tuple[Hashable, int]]:
@@ -323,6 +327,7 @@ class Engine:
             out = final[request_id]
             if out.status is RequestStatus.FINISHED_ERROR:  # never ran, so never forked
                 n = 1
-            out.completions = [out.output_token_ids] + [final[(request_id, k)].output_token_ids for k in range(1, n)]
+            others = [final[(request_id, k)].output_token_ids for k in range(1, n)]
+            out.completions = [out.output_token_ids] + others
             results.append(out)
         return results

@@ -26,18 +26,21 @@ from dataclasses import dataclass, field
 from typing import Hashable
 
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
 from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
 from radarlab.util import require_int, require_number
 
 
 @dataclass
 class SchedulerOutput:
     """What one forward step computes: for each scheduled request, tokens num_computed ..
-    num_computed + num_scheduled - 1. copy_pairs must be copied in the pool before the step."""
+    num_computed + num_scheduled - 1, whose slots lie in its blocks block_ids (copied when scheduled:
+    the model runner reads no block manager, as in vLLM, whose output carries each request's block
+    ids). copy_pairs must be copied in the pool before the step."""
     requests: list[Request] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)
     copy_pairs: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     errored: list[Request] = field(default_factory=list)
@@ -51,7 +54,8 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, manager: KVCacheManager, max_num_seqs: int = 64, max_num_batched_tokens: int = 512,
                  max_model_len: int = 2048, watermark: float = 0.0) -> None:
-        for name, value in [("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+        for name, value in [("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens),
                             ("max_model_len", max_model_len)]:
             require_int(name, value)
         if not 0.0 <= require_number("watermark", watermark) < 1.0:
@@ -74,8 +78,8 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.num_seats > self.max_num_seqs:
-            raise ValueError(f"n={request.params.n} samples need {request.num_seats} sequence slots, more than "
-                             f"max_num_seqs={self.max_num_seqs}")
+            raise ValueError(f"n={request.params.n} samples need {request.num_seats} sequence slots, "
+                             f"more than max_num_seqs={self.max_num_seqs}")
         self.requests[request.request_id] = request
         if request.num_prompt_tokens > self.max_model_len:
             self._finish_error(request, f"prompt has {request.num_prompt_tokens} tokens, more than "
@@ -140,8 +144,9 @@ class Scheduler:
             status = self.manager.can_allocate(request, self.watermark_blocks if out.requests else 0)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._finish_error(request, f"{request.num_tokens} tokens need more blocks than the whole pool "
-                                            f"({self.manager.num_blocks} blocks of {self.manager.block_size})")
+                self._finish_error(request, f"{request.num_tokens} tokens need more blocks than the whole "
+                                            f"pool ({self.manager.num_blocks} blocks of "
+                                            f"{self.manager.block_size})")
                 out.errored.append(request)
                 continue
             if status is AllocStatus.LATER:
@@ -178,18 +183,19 @@ class Scheduler:
         num_rejected = [0] * len(out.requests) if num_rejected is None else num_rejected
         if len(num_rejected) != len(out.requests):
             raise ValueError(f"num_rejected has {len(num_rejected)} entries for {len(out.requests)} requests")
-        for request, n, k, rejected in zip(out.requests, out.num_scheduled_tokens, out.num_spec_tokens, num_rejected):
+        for request, n, k, rejected in zip(out.requests, out.num_scheduled_tokens, out.num_spec_tokens,
+                                           num_rejected):
             if not 0 <= rejected <= k:
                 raise ValueError(f"request {request.request_id!r}: {rejected} rejected of {k} drafts")
             request.num_computed_tokens += n - rejected
             request.spec_token_ids, request.spec_probs = [], None
 
     # --- helpers ---------------------------------------------------------------------------
-    @staticmethod
-    def _schedule(out, request, computed, n) -> None:
+    def _schedule(self, out: SchedulerOutput, request: Request, computed: int, n: int) -> None:
         out.requests.append(request)
         out.num_computed_tokens.append(computed)
         out.num_scheduled_tokens.append(n)
+        out.block_ids.append(self.manager.get_block_table(request))
         out.num_spec_tokens.append(len(request.spec_token_ids))
 
     @staticmethod
@@ -198,7 +204,8 @@ class Scheduler:
         keep = max(0, min(num_drafts, len(request.spec_token_ids)))
         if keep < len(request.spec_token_ids):
             request.spec_token_ids = request.spec_token_ids[:keep]
-            request.spec_probs = request.spec_probs[:keep] if request.spec_probs is not None and keep else None
+            probs = request.spec_probs
+            request.spec_probs = probs[:keep] if probs is not None and keep else None
 
     def _allocate_or_preempt(self, request: Request, num_new_slots: int, out: SchedulerOutput) -> bool:
         """Reserve slots for the request's next num_new_slots tokens (its drafts' too, as lookahead;

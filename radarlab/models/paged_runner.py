@@ -19,41 +19,38 @@ import torch
 
 from radarlab.attention.backends import build_metadata
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.util import cdiv
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import check_prompts
+from radarlab.models.input_batch import StepInputs, attention_inputs, prepare_inputs, scheduled_token_ids
 from radarlab.models.llama import final_features
+from radarlab.util import cdiv
 
-def paged_metadata(manager: KVCacheManager, seqs: SequenceType[Sequence], num_computed_tokens: SequenceType[int],
-                   num_scheduled_tokens: SequenceType[int], device: str | torch.device | None = None
+
+def paged_metadata(manager: KVCacheManager, seqs: SequenceType[Sequence],
+                   num_computed_tokens: SequenceType[int], num_scheduled_tokens: SequenceType[int],
+                   device: str | torch.device | None = None
                    ) -> AttentionMetadata:
     """AttentionMetadata for computing tokens num_computed .. num_computed+num_scheduled-1 of each sequence,
-    built once per step and moved to `device` once, so no layer copies or re-checks it.
-
-    seq_lens (the context each query attends to) is num_computed + num_scheduled: the step reads and
-    writes no position past that.
-    """
+    from the manager's block tables (input_batch.attention_inputs; a step must stay within the slots
+    the manager reserved)."""
     if not len(seqs) == len(num_computed_tokens) == len(num_scheduled_tokens):
         raise ValueError(f"seqs, num_computed_tokens and num_scheduled_tokens differ in length: "
                          f"{len(seqs)}, {len(num_computed_tokens)}, {len(num_scheduled_tokens)}")
-    if not seqs:
-        raise ValueError("seqs is empty: a step needs at least one sequence")
-    for s, done, n in zip(seqs, num_computed_tokens, num_scheduled_tokens):
-        total = manager.num_slots(s)  # KeyError for an unknown sequence
-        if n < 1:
-            raise ValueError(f"sequence {s.seq_id!r}: num_scheduled_tokens must be >= 1, got {n}")
-        if done < 0 or done + n > total:
-            raise ValueError(f"sequence {s.seq_id!r}: tokens {done}..{done + n - 1} are scheduled but only {total} "
-                             f"have slots (num_computed_tokens={done}, num_scheduled_tokens={n})")
-    seq_lens = [done + n for done, n in zip(num_computed_tokens, num_scheduled_tokens)]
-    slot_mapping = manager.slot_mapping_tensor(seqs, num_computed_tokens, num_scheduled_tokens)
-    width = max(cdiv(length, manager.block_size) for length in seq_lens)
-    block_tables = manager.block_table_tensor(seqs)[:, :width]  # only the blocks this step reads
-    meta = AttentionMetadata.from_lens(list(num_scheduled_tokens), seq_lens, slot_mapping=slot_mapping,
-                                       block_tables=block_tables)
-    return meta if device is None else meta.to(device)
+    block_ids = [manager.get_block_table(s) for s in seqs]  # KeyError for an unknown sequence
+    return attention_inputs(block_ids, num_computed_tokens, num_scheduled_tokens, manager.block_size,
+                            [manager.num_slots(s) for s in seqs], [s.seq_id for s in seqs], device)
+
+
+def run_model(model, cache: PagedKVCache, inputs: StepInputs, return_features: bool = False):
+    """The forward pass over prepared inputs: logits at inputs.logits_indices, and with
+    return_features the normed last hidden states of every scheduled token as well."""
+    meta = inputs.attn_metadata
+    if return_features:
+        features = final_features(model, inputs.input_ids, inputs.positions, cache, meta)
+        return model.lm_head(features[inputs.logits_indices]), features
+    return model(inputs.input_ids, inputs.positions, cache, meta, logits_indices=inputs.logits_indices)
 
 
 @torch.inference_mode()
@@ -74,41 +71,21 @@ def paged_step(model, cache: PagedKVCache, manager: KVCacheManager, seqs: Sequen
     whole prefill's too, so the head can build its own cache from them). Off by default: no cost.
 
     spec_token_ids[b]: sequence b's drafts, which follow its tokens (they live beside the sequence,
-    never in it); scheduled tokens past the sequence's end are read from them."""
+    never in it); scheduled tokens past the sequence's end are read from them. The engine's
+    ModelRunner.execute_model runs the same inputs from the scheduler's output instead."""
     if num_scheduled_tokens is None:
         num_scheduled_tokens = [manager.num_slots(s) - done for s, done in zip(seqs, num_computed_tokens)]
-    device = cache.k.device
-    meta = build_metadata(cache, paged_metadata(manager, seqs, num_computed_tokens, num_scheduled_tokens, device))
+    if not len(seqs) == len(num_computed_tokens) == len(num_scheduled_tokens):
+        raise ValueError(f"seqs, num_computed_tokens and num_scheduled_tokens differ in length: "
+                         f"{len(seqs)}, {len(num_computed_tokens)}, {len(num_scheduled_tokens)}")
     drafts = [()] * len(seqs) if spec_token_ids is None else spec_token_ids
-    ids = []
-    for s, done, n, spec in zip(seqs, num_computed_tokens, num_scheduled_tokens, drafts):
-        step = list(s.all_token_ids[done:done + n]) + list(spec[:max(0, done + n - s.num_tokens)])
-        if len(step) != n:
-            raise ValueError(f"sequence {s.seq_id!r}: {n} tokens scheduled from position {done}, but it has "
-                             f"{s.num_tokens} tokens and {len(spec)} drafts")
-        ids += step
-    last = meta.query_start_loc[1:] - 1
-    if num_logits is not None:
-        last = _last_rows(last, num_logits, num_scheduled_tokens)
-    ids = torch.tensor(ids, device=device)
-    if return_features:
-        features = final_features(model, ids, meta.positions, cache, meta)
-        return model.lm_head(features[last]), features
-    return model(ids, meta.positions, cache, meta, logits_indices=last)
-
-
-def _last_rows(last: torch.Tensor, num_logits: SequenceType[int], num_scheduled_tokens: SequenceType[int]
-               ) -> torch.Tensor:
-    """Packed row indices of each sequence's last num_logits[b] tokens, given the index of its last one."""
-    if len(num_logits) != len(num_scheduled_tokens):
-        raise ValueError(f"num_logits has {len(num_logits)} entries for {len(num_scheduled_tokens)} sequences")
-    for b, (m, n) in enumerate(zip(num_logits, num_scheduled_tokens)):
-        if not 1 <= m <= n:
-            raise ValueError(f"sequence {b}: num_logits must be in 1..{n} (its scheduled tokens), got {m}")
-    counts = torch.tensor(list(num_logits), device=last.device)
-    ends = torch.repeat_interleave(last, counts)
-    offsets = torch.cat([torch.arange(m - 1, -1, -1, device=last.device) for m in num_logits])
-    return ends - offsets
+    block_ids = [manager.get_block_table(s) for s in seqs]  # KeyError for an unknown sequence
+    token_ids = [scheduled_token_ids(s, done, n, d)
+                 for s, done, n, d in zip(seqs, num_computed_tokens, num_scheduled_tokens, drafts)]
+    inputs = prepare_inputs(cache, token_ids, block_ids, num_computed_tokens, num_scheduled_tokens,
+                            num_logits, num_slots=[manager.num_slots(s) for s in seqs],
+                            seq_ids=[s.seq_id for s in seqs])
+    return run_model(model, cache, inputs, return_features)
 
 
 def blocks_needed(prompts: SequenceType[SequenceType[int]], max_new_tokens: int, block_size: int) -> int:
@@ -172,7 +149,8 @@ def prefill_metadata(cache: PagedKVCache, token_ids: SequenceType[int], backend=
     manager = KVCacheManager(cache.num_blocks, cache.block_size, enable_prefix_caching=False)
     seq = Sequence(0, list(token_ids), cache.block_size)
     manager.allocate(seq)  # NoFreeBlocks when the pool is too small for the sequence
-    return build_metadata(cache, paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device), backend)
+    meta = paged_metadata(manager, [seq], [0], [seq.num_tokens], cache.k.device)
+    return build_metadata(cache, meta, backend)
 
 
 @torch.inference_mode()
