@@ -55,8 +55,16 @@ def prompts(tokenizer):
     return [tokenizer(p)["input_ids"] for p in VALIDATION_PROMPTS]
 
 
+# Fixtures that load the course model (seconds each, and gigabytes): a test that uses one is `slow`.
+COURSE_MODEL_FIXTURES = {"hf_model_and_tokenizer"}
+
+
 def pytest_collection_modifyitems(config, items):
-    """vLLM tests skip when .venv-vllm is absent, unless RADARLAB_REQUIRE_VLLM=1 (make test sets it)."""
+    """Tests that load the course model are marked slow (make test-fast leaves them out). vLLM tests
+    skip when .venv-vllm is absent, unless RADARLAB_REQUIRE_VLLM=1 (make test sets it)."""
+    for item in items:
+        if COURSE_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
     if os.environ.get("RADARLAB_REQUIRE_VLLM") == "1":
         return
     from radarlab.validate.vllm import vllm_python
