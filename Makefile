@@ -44,9 +44,10 @@ test: setup lint model vllm
 	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax \
 		--ignore=notebooks/exercises tests notebooks
 
-# Quick loop while developing: the linter, then no vLLM, no notebooks.
+# Quick loop while developing (a few minutes): the linter, then the tests that are not `slow` (the course
+# model, the end-to-end CLIs), with no vLLM and no notebooks.
 test-fast: setup lint model
-	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser" tests
+	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser and not slow" tests
 
 # Learner copies with solutions removed (nbgrader's ClearSolutions). nbgrader is a maintainers' tool:
 # installed into .venv it would add its menus and server extension to the learners' JupyterLab, so it

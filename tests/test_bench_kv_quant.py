@@ -57,6 +57,7 @@ def test_concurrency_on_one_budget(doc):
     assert sixteen["output_tokens"] == fp8["output_tokens"] == n
 
 
+@pytest.mark.slow
 def test_command_line_writes_json(tmp_path):
     from radarlab.bench.__main__ import main
 

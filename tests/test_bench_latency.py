@@ -340,6 +340,7 @@ def test_cli_names_the_bad_flag(argv, flag, capsys):
     assert flag in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_on_the_course_model(tmp_path):
     """A subprocess (torch thread settings stay out of this process): 3 requests, 2 tokens each, at one
     rate and with two budgets."""

@@ -160,6 +160,7 @@ def _check_doc(doc: dict, systems: set, batch_sizes: list[int]) -> None:
     assert all(e["equal_to_radarlab_plain"] == 1.0 for e in doc["outputs_equal"] if e["system"] == "radarlab")
 
 
+@pytest.mark.slow
 def test_tiny_run_radarlab(tmp_path):
     path = tmp_path / "spec.json"
     assert bench_main(["spec", "--systems", "radarlab", "--methods", "none,ngram", "--batch-sizes", "1,2",

@@ -232,6 +232,7 @@ def test_abort_frees_blocks_and_others_continue(tiny, workload):
     assert engine.manager.num_free_blocks == 64
 
 
+@pytest.mark.slow
 def test_500_random_requests_with_aborts_terminate_and_free_everything(tiny):
     rng = random.Random(0)
     engine = Engine(tiny, num_blocks=24, block_size=4, max_num_seqs=16, max_num_batched_tokens=48,

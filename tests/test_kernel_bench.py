@@ -133,6 +133,7 @@ TINY = dict(num_heads=4, num_kv_heads=2, head_dim=16, block_size=4, prefill_toke
             tiles=(16,), partition_size=8)
 
 
+@pytest.mark.slow
 def test_check_kernels_on_tiny_shapes():
     """What gpu_check.sh runs, small and interpreted: every kernel agrees with its torch counterpart."""
     rows = check_kernels([(2, 5), (1, 17)], [torch.float32], **TINY)

@@ -140,6 +140,7 @@ def test_greedy_and_engine_run_kivi():
     assert [len(o.output_token_ids) for o in outs] == [5, 5, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kivi_g4_r4_sink1", "kivi_g4_fp8scales_int8zeros"])
 def test_engine_on_the_triton_backend_equals_the_torch_backend(name):
     """The whole engine (prefills, decodes, three requests in a batch) with KIVI read by the Triton
