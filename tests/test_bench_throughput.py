@@ -217,3 +217,13 @@ def test_both_radarlab_systems_give_the_same_tokens(tiny):
     plain, _ = time_radarlab(tiny, prompts, config, cpu_ops=False)
     assert fused == plain and all(len(o) == 8 for o in fused)
     assert tiny.use_cpu_ops is None  # restored
+
+
+def test_a_vllm_run_without_vllm_is_refused_naming_the_way_out(monkeypatch):
+    import radarlab.validate.vllm as vllm_env
+    from radarlab.bench.report import require_vllm
+
+    monkeypatch.setattr(vllm_env, "vllm_python", lambda: None)
+    with pytest.raises(ValueError, match="no vLLM environment.*--systems radarlab,transformers"):
+        require_vllm(("radarlab", "vllm"), "radarlab,transformers")
+    require_vllm(("radarlab",), "radarlab")  # no vllm asked for: nothing to check

@@ -28,6 +28,18 @@ def comma_names(text: str) -> tuple[str, ...]:
 
 
 # --- the kept runs (results/, described in results/README.md) ------------------------------------
+def require_vllm(systems, others: str) -> None:
+    """Refuse a run whose --systems includes vllm where there is no vLLM environment, before any
+    model loads; `others` is the --systems value that runs without it."""
+    if "vllm" not in systems:
+        return
+    from radarlab.validate.vllm import vllm_python
+
+    if vllm_python() is None:
+        raise ValueError("--systems includes vllm but there is no vLLM environment: run `make vllm`, set "
+                         f"RADARLAB_VLLM_PYTHON, or pass --systems {others}")
+
+
 def results_dir() -> Path:
     """The repository's results/ folder: the full runs the notebooks read, too slow to redo in them."""
     return Path(__file__).resolve().parents[2] / "results"

@@ -325,15 +325,10 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
 
 
 def main(args: argparse.Namespace) -> int:
-    from radarlab.bench.report import write_json
+    from radarlab.bench.report import require_vllm, write_json
 
     config = config_from_args(args)
-    if "vllm" in config.systems:
-        from radarlab.validate.vllm import vllm_python
-
-        if vllm_python() is None:
-            raise ValueError("--systems includes vllm but there is no vLLM environment: run `make vllm`, set "
-                             "RADARLAB_VLLM_PYTHON, or pass --systems radarlab")
+    require_vllm(config.systems, "radarlab")
     results, info = run(config)
     doc = report(config, results, info)
     print(format_table(doc))
