@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from radarlab.attention.layout import validate_block_tables, validate_pool, validate_slot_mapping
+from radarlab.kvcache.block_table import group_slots
 from radarlab.kvcache.kivi_store import KiviPool
 from radarlab.kvcache.sink_store import SinkPool
 from radarlab.quant import fp8, int4
@@ -335,27 +336,27 @@ def _kivi_key_write_kernel(
              mask=h_ok[None, :, None])
 
 
-def triton_kivi_quantize_groups(store, layer: int, ks, vs, blocks, groups) -> None:
+def triton_kivi_quantize_groups(ks, vs, blocks, groups, k_cache, k_scales, k_zeros, v_cache, v_scales,
+                                v_zeros, fmt, block_size: int) -> None:
     """KiviStore._quantize_groups' storing half in Triton: groups ks, vs [n, g, H, D] (rows already
-    filled as that method fills them) to KIVI key codes and per-token int4 value codes, at (block, group)."""
-    fmt, g = store.fmt, store.group
-    n, _, H, D = ks.shape
+    filled as that method fills them) to KIVI key codes and per-token int4 value codes, at (block, group)
+    of one layer's tensors: k_cache/v_cache the packed codes, k_scales/k_zeros per group and channel,
+    v_scales/v_zeros per token; fmt the KIVI format (radarlab.quant.formats)."""
+    n, g, H, D = ks.shape
     if n == 0:
         return
     require_power_of_two("head_dim (quantized Triton kernels)", D)
     tables = _tables(fmt, ks.device)
     _, _, meta_pos, meta = tables
-    payload, scales, zeros = store.k[layer], store.k_scales[layer], store.k_zeros[layer]
     _kivi_key_write_kernel[(n,)](
-        ks.float().contiguous(), blocks.contiguous(), groups.contiguous(), payload, scales, zeros, meta_pos,
-        meta, H, *payload.stride(), *scales.stride(),
+        ks.float().contiguous(), blocks.contiguous(), groups.contiguous(), k_cache, k_scales, k_zeros,
+        meta_pos, meta, H, *k_cache.stride(), *k_scales.stride(),
         G=g, HEADS_PAD=_pow2(H), DIM=D, SCALE_FP8=fmt.scale_dtype == "fp8", INT8_ZEROS=fmt.int8_zeros,
         TINY=int4.SMALLEST_SCALE[fmt.scale_dtype],
     )
-    slots = ((blocks * store.block_size + groups * g)[:, None] + torch.arange(g,
-                                                                              device=blocks.device)).reshape(-1)
-    _write(vs.reshape(n * g, H, D).float(), slots.contiguous(), store.v[layer], store.v_scales[layer],
-           store.v_zeros[layer], meta, 0, fmt, "int4", 4, tables)
+    slots = group_slots(blocks, groups, g, block_size).reshape(-1)
+    _write(vs.reshape(n * g, H, D).float(), slots.contiguous(), v_cache, v_scales, v_zeros, meta, 0, fmt,
+           "int4", 4, tables)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -47,3 +47,10 @@ def compute_slot_mapping(block_table: torch.Tensor, positions: torch.Tensor, blo
     else:
         blocks = block_table.long()[req_indices, block_idx]
     return blocks * block_size + positions % block_size
+
+
+def group_slots(blocks: torch.Tensor, groups: torch.Tensor, group_size: int, block_size: int) -> torch.Tensor:
+    """Slots [n, group_size] of group groups[i] of block blocks[i] (a block holds block_size //
+    group_size groups of consecutive positions: KIVI quantizes keys a group at a time)."""
+    offsets = (groups * group_size)[:, None] + torch.arange(group_size, device=blocks.device)
+    return compute_slot_mapping(blocks[:, None], offsets, block_size)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import torch
 
+from radarlab.kvcache.block_table import group_slots
 from radarlab.quant import int4, kivi
 from radarlab.quant.formats import KVFormat
 from radarlab.quant.kv_codec import meta_dtype, zero_dtype
@@ -215,7 +216,7 @@ class KiviStore:
 
     def _rows(self, blocks, groups) -> torch.Tensor:
         """Slots [n, g] of each group's positions."""
-        return (blocks * self.block_size + groups * self.group)[:, None] + torch.arange(self.group, device=blocks.device)
+        return group_slots(blocks, groups, self.group, self.block_size)
 
     def _quantize_groups(self, layer, ks, vs, blocks, groups, valid, skip=None) -> None:
         """Groups [n, g, H, D] to codes; rows past `valid` repeat a row that counts, so they leave min and
@@ -232,7 +233,9 @@ class KiviStore:
 
         ks, vs = fill(ks, first), fill(vs, torch.zeros_like(valid))
         if self.quantize_groups is not None:  # the attention backend's kernel (the Triton one)
-            return self.quantize_groups(self, layer, ks, vs, blocks, groups)
+            return self.quantize_groups(ks, vs, blocks, groups, self.k[layer], self.k_scales[layer],
+                                        self.k_zeros[layer], self.v[layer], self.v_scales[layer],
+                                        self.v_zeros[layer], self.fmt, self.block_size)
         packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype,
                                                    self.fmt.int8_zeros)
         slots = self._rows(blocks, groups).reshape(-1)

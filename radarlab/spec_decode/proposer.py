@@ -42,7 +42,6 @@ vocabulary. The trained EAGLE-style head is {"method": "eagle", ..., "model": he
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Protocol, Sequence
 
 import torch
 
@@ -58,11 +57,3 @@ class Proposal:
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.draft_token_ids):
             raise ValueError(f"draft_probs has {self.draft_probs.shape[0]} rows for "
                              f"{len(self.draft_token_ids)} draft tokens")
-
-
-class Proposer(Protocol):
-    num_speculative_tokens: int
-
-    def propose(self, requests: Sequence, num_tokens: Sequence[int]) -> list[Proposal]: ...
-
-    def free(self, request_id: Hashable) -> None: ...
