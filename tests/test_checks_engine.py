@@ -6,12 +6,10 @@ import random
 
 import pytest
 
-from radarlab.checks import (
-    _schedule_token_budget_reference, check_latency_metrics, check_preemption_rule, check_schedule_token_budget,
-)
+from radarlab.checks import check_latency_metrics, check_preemption_rule, check_schedule_token_budget
+from radarlab.checks.nb05_batching import _schedule_token_budget_reference
 from radarlab.engine import Request, SamplingParams, Scheduler
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
-
 
 # --- schedule_token_budget -------------------------------------------------------------------------
 
@@ -91,9 +89,12 @@ def test_schedule_token_budget_solution_passes(capsys):
 
 @pytest.mark.parametrize("fn,message", [
     (_stub, "not written yet"),
-    (_decode_takes_nothing, "it returned ([0, 0, 0], [5]), expected ([1, 1, 1], [5]) (each decode takes 1 token"),
-    (_waiting_first, "it returned ([0, 0], [16, 0]), expected ([1, 1], [14, 0]) (running requests are served first"),
-    (_whole_prompts_only, "it returned ([1, 1], [0, 0]), expected ([1, 1], [14, 0]) (the head of the queue is "
+    (_decode_takes_nothing, "it returned ([0, 0, 0], [5]), expected ([1, 1, 1], [5]) (each decode takes 1 "
+                            "token"),
+    (_waiting_first, "it returned ([0, 0], [16, 0]), expected ([1, 1], [14, 0]) (running requests are "
+                     "served first"),
+    (_whole_prompts_only, "it returned ([1, 1], [0, 0]), expected ([1, 1], [14, 0]) (the head of the queue "
+                          "is "
                           "admitted with a chunk"),
     (_overtakes, "it returned ([1, 1], [0, 3]), expected ([1, 1], [14, 0])"),
     (_seats_ignore_running, "expected ([1, 1, 1], [2, 0, 0]) (max_num_seqs counts the running requests too"),
@@ -107,7 +108,8 @@ def test_schedule_token_budget_mistakes_fail(capsys, fn, message):
 
 
 @pytest.mark.parametrize("case", [([0, 0, 0], [5], 16, 8), ([0, 0, 50], [], 16, 8), ([0, 0], [40, 3], 16, 8),
-                                  ([0, 0, 0], [2, 2, 2], 100, 4), ([], [10, 20, 5], 32, 2), ([0, 30], [4], 16, 8),
+                                  ([0, 0, 0], [2, 2, 2], 100, 4), ([], [10, 20, 5], 32, 2),
+                                  ([0, 30], [4], 16, 8),
                                   ([], [], 8, 4), ([0] * 5 + [70], [7, 33, 2, 12, 40, 1], 64, 10)])
 def test_checker_reference_follows_the_rule(case):
     """The checker's reference (radarlab's Scheduler set up in that state) answers as the rule does."""
@@ -133,7 +135,8 @@ def test_reference_rule_is_the_schedulers_rule(seed):
                 scheduler.add_request(Request(i, pending.pop(0), SamplingParams(max_tokens=max_tokens[i])))
         if not scheduler.has_unfinished_requests():
             continue
-        running = [0 if r.num_output_tokens else r.num_tokens - r.num_computed_tokens for r in scheduler.running]
+        running = [0 if r.num_output_tokens else r.num_tokens - r.num_computed_tokens
+                   for r in scheduler.running]
         waiting = [r.num_tokens for r in scheduler.waiting]
         want_running, want_waiting = budget_rule(running, waiting, budget, seats)
         before_running = [r.request_id for r in scheduler.running]
@@ -155,7 +158,8 @@ def test_reference_rule_is_the_schedulers_rule(seed):
 # --- latency_metrics -------------------------------------------------------------------------------
 
 def latency_metrics(arrival, token_times):
-    return [(t[0] - a, (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None) for a, t in zip(arrival, token_times)]
+    return [(t[0] - a, (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None) for a,
+            t in zip(arrival, token_times)]
 
 
 def _latency_stub(arrival, token_times):
@@ -208,7 +212,8 @@ def test_latency_metrics_solution_passes(capsys):
     (_itl_over_n, "(3 tokens have 2 gaps between them)"),
     (_one_token_zero, "request 0 has one token and its ITL was 0; expected None"),
     (_one_token_crashes, "it raised ZeroDivisionError"),
-    (_median_gap, "request 1's mean ITL was 0.3, expected 0.2 (the mean of the gaps between consecutive tokens)"),
+    (_median_gap, "request 1's mean ITL was 0.3, expected 0.2 (the mean of the gaps between consecutive "
+                  "tokens)"),
     (_none_everywhere, "request 0's mean ITL was None, expected 0.2"),
 ])
 def test_latency_metrics_mistakes_fail(capsys, fn, message):

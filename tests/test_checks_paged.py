@@ -37,7 +37,8 @@ def test_slot_mapping_solution_passes(capsys):
 @pytest.mark.parametrize("fn,message", [
     (_stub, "not written yet"),
     (_positions, "returned [0, 1, 2], expected [28, 29, 30] (those are the positions"),
-    (_no_multiply, "it returned [7, 8, 9], expected [28, 29, 30] (slot = block_table[p // block_size] * block_size"),
+    (_no_multiply, "it returned [7, 8, 9], expected [28, 29, 30] (slot = block_table[p // block_size] * "
+                   "block_size"),
     (_from_zero, "start=5, n=1 (one decode step) it returned [8], expected [21]"),
 ])
 def test_slot_mapping_mistakes(capsys, fn, message):
@@ -112,8 +113,10 @@ def test_allocator_solution_passes(capsys):
 
 @pytest.mark.parametrize("cls,message", [
     (_Stub, "allocate is not written yet"),
-    (_FreesShared, "incref(1), free(1) (one holder of the shared block lets go): free_list is [3, 1], expected [3]"),
-    (_NoDoubleFreeCheck, "free(1) (block 1 is already free: a double free) returned None; expected it to raise ValueError"),
+    (_FreesShared, "incref(1), free(1) (one holder of the shared block lets go): free_list is [3, 1], "
+                   "expected [3]"),
+    (_NoDoubleFreeCheck, "free(1) (block 1 is already free: a double free) returned None; expected it to "
+                         "raise ValueError"),
     (_Lifo, "on a fresh pool of 4 blocks, allocate() returned 3; expected it to return 0"),
     (_IndexErrorWhenEmpty, "allocate() (the free list is empty) raised IndexError: pop from an empty deque; "
                            "expected it to raise NoFreeBlocks"),
@@ -157,7 +160,8 @@ def _copy_unshared(allocator, block_ids, num_slots, num_new, block_size):  # cop
         allocator.ref_count = ref_count
 
 
-def _copy_full_shared(allocator, block_ids, num_slots, num_new, block_size):  # forgets the "partly filled" test
+# forgets the "partly filled" test
+def _copy_full_shared(allocator, block_ids, num_slots, num_new, block_size):
     if allocator.ref_count(block_ids[-1]) > 1 and num_slots % block_size == 0:
         private = allocator.allocate()
         allocator.free(block_ids[-1])
@@ -196,24 +200,25 @@ def test_append_with_cow_solution_passes(capsys):
 
 @pytest.mark.parametrize("fn,message", [
     (_cow_stub, "not written yet"),
-    (_no_copy, "for a sequence with 6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 blocks free, "
-               "appending 1 token it returned blocks [0, 1] and copies []; expected [0, 2] and [(1, 2)] (block 1 is "
-               "partly filled and shared (ref count 2): take a private copy"),
-    (_copy_unshared, "for a sequence with 3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, "
-                     "appending 1 token it returned blocks [1] and copies [(0, 1)]; expected [0] and [] (block 0 is "
-                     "not shared (ref count 1): write into it, no copy)"),
-    (_copy_full_shared, "8 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 blocks free, appending "
-                        "1 token it returned blocks [0, 2, 3] and copies [(1, 2)]; expected [0, 1, 2] and [] (the last "
-                        "block is full (8 is a multiple of 4)"),
-    (_take_then_check, "6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 1 block free, appending 3 "
-                       "tokens it raised NoFreeBlocks (right: it needs 2 blocks) but changed things first: ref counts "
-                       "[2, 1, 1, 1] (before: [2, 2, 1, 0]); free list [] (before: [3]). Count what you need"),
-    (_floor_blocks, "4 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, appending 1 token it "
-                    "returned blocks [0] and copies []; expected [0, 1] and [] (4 + 1 tokens need cdiv(5, 4) = "
-                    "2 blocks)"),
-    (_one_block_too_many, "3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, appending 1 "
-                          "token it returned blocks [0, 1] and copies []; expected [0] and [] (3 + 1 tokens need "
-                          "cdiv(4, 4) = 1 block)"),
+    (_no_copy, "for a sequence with 6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 "
+               "blocks free, appending 1 token it returned blocks [0, 1] and copies []; expected [0, 2] and "
+               "[(1, 2)] (block 1 is partly filled and shared (ref count 2): take a private copy"),
+    (_copy_unshared, "for a sequence with 3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 "
+                     "blocks free, appending 1 token it returned blocks [1] and copies [(0, 1)]; expected "
+                     "[0] and [] (block 0 is not shared (ref count 1): write into it, no copy)"),
+    (_copy_full_shared, "8 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 6 blocks free, "
+                        "appending 1 token it returned blocks [0, 2, 3] and copies [(1, 2)]; expected [0, "
+                        "1, 2] and [] (the last block is full (8 is a multiple of 4)"),
+    (_take_then_check, "6 tokens in blocks [0, 1] (block size 4, their ref counts [2, 2]), 1 block free, "
+                       "appending 3 tokens it raised NoFreeBlocks (right: it needs 2 blocks) but changed "
+                       "things first: ref counts [2, 1, 1, 1] (before: [2, 2, 1, 0]); free list [] (before: "
+                       "[3]). Count what you need"),
+    (_floor_blocks, "4 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, appending "
+                    "1 token it returned blocks [0] and copies []; expected [0, 1] and [] (4 + 1 tokens "
+                    "need cdiv(5, 4) = 2 blocks)"),
+    (_one_block_too_many, "3 tokens in blocks [0] (block size 4, their ref counts [1]), 7 blocks free, "
+                          "appending 1 token it returned blocks [0, 1] and copies []; expected [0] and [] "
+                          "(3 + 1 tokens need cdiv(4, 4) = 1 block)"),
 ])
 def test_append_with_cow_mistakes(capsys, fn, message):
     assert check_append_with_cow(fn) is False

@@ -1,0 +1,174 @@
+"""Checkers of notebook 08 (speculative decoding): expected tokens per step, stochastic verification,
+the n-gram draft."""
+from __future__ import annotations
+
+from radarlab.checks.common import call_learner, verdict
+
+
+def check_expected_tokens_per_step(expected_tokens_per_step) -> bool:
+    """Check a learner's expected_tokens_per_step(a, k): the mean tokens one verify step emits (the
+    accepted drafts plus the target's own token) when each draft is accepted with probability a,
+    against radarlab.spec_decode.theory.expected_tokens_per_step."""
+    import math
+
+    from radarlab.spec_decode.theory import expected_tokens_per_step as reference
+
+    name = "expected_tokens_per_step"
+    cases = [(0.5, 1), (0.8, 4), (0.0, 3), (0.6, 0), (1.0, 5), (0.95, 16), (0.3, 7)]
+    for a, k in cases:
+        want = reference(a, k)
+        description = f"a={a}, k={k}"
+        got, problem = call_learner(lambda: expected_tokens_per_step(a, k), description)
+        if problem:
+            return verdict(name, problem)
+        try:
+            got = float(got)
+        except (TypeError, ValueError):
+            return verdict(name, f"for {description} it returned {got!r}; expected a number, {want:.6g}")
+        if not math.isclose(got, want, rel_tol=1e-9, abs_tol=1e-12):
+            if math.isclose(got, want - 1, rel_tol=1e-9, abs_tol=1e-12):
+                hint = " (count the target's own token too: a step emits at least 1 token)"
+            elif a < 1 and math.isclose(got, 1 + a * k, rel_tol=1e-9):
+                hint = " (draft i counts only if drafts 1..i-1 were accepted too: a^i, not a)"
+            else:
+                hint = " (1 + a + a^2 + ... + a^k)"
+            return verdict(name, f"for {description} it returned {got:.6g}, expected {want:.6g}{hint}")
+    return verdict(name, None)
+
+
+def _spec_toy_cases():
+    """(description, p [k+1, V], q [k, V]) for the rejection-sampler checker: distributions that
+    overlap partly, and one where the draft puts mass where the target puts none."""
+    import torch
+
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.05, 0.05, 0.30, 0.30, 0.20, 0.10]],
+                     dtype=torch.float64)
+    q = torch.tensor([[0.10, 0.10, 0.30, 0.30, 0.10, 0.10]], dtype=torch.float64)
+    return p, q
+
+
+def check_verify_stochastic(verify_stochastic) -> bool:
+    """Check a learner's verify_stochastic(target_probs, draft_token_ids, draft_probs, generator) ->
+    emitted tokens: accept draft x with probability min(1, p(x)/q(x)), on the first rejection draw
+    from max(0, p - q) renormalised and stop, and draw a bonus token from the last row if all drafts
+    were accepted. Deterministic cases first, then a chi-square test of the first emitted token
+    against p (6000 seeded steps; it rejects a sampler that resamples from p instead of the residual
+    with probability above 0.99 at the 1e-3 level: radarlab.lab.chi_square.chi_square_power)."""
+    import torch
+
+    from radarlab.lab.chi_square import chi_square_test
+
+    name = "verify_stochastic"
+
+    def run(p, drafts, q, seed, description):
+        gen = torch.Generator().manual_seed(seed)
+        got, problem = call_learner(lambda: verify_stochastic(p.clone(), list(drafts),
+                                                              None if q is None else q.clone(), gen),
+                                                              description)
+        if problem:
+            return None, problem
+        try:
+            tokens = [int(t) for t in got]
+        except (TypeError, ValueError):
+            return None, f"for {description} it returned {got!r}; expected a list of token ids"
+        if not 1 <= len(tokens) <= len(drafts) + 1:
+            return None, (f"for {description} it returned {tokens}: a verify step with {len(drafts)} drafts "
+                          f"emits between 1 and {len(drafts) + 1} tokens")
+        return tokens, None
+
+    same = torch.tensor([[0.5, 0.3, 0.2]] * 3, dtype=torch.float64)
+    tokens, problem = run(same, [0, 2], same[:2], 0, "p = q at every position, drafts [0, 2]")
+    if problem:
+        return verdict(name, problem)
+    if tokens[:2] != [0, 2] or len(tokens) != 3:
+        return verdict(name, f"for p = q at every position and drafts [0, 2] it returned {tokens}; when p = "
+                             "q every draft is accepted (min(1, p/q) = 1), then a bonus token is drawn: [0, "
+                             "2, ?]")
+    target = torch.tensor([[0.0, 0.7, 0.3], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    draft = torch.tensor([[0.6, 0.2, 0.2]], dtype=torch.float64)
+    for seed in range(20):
+        tokens, problem = run(target, [0], draft, seed, "p = [0, 0.7, 0.3], q = [0.6, 0.2, 0.2], draft 0")
+        if problem:
+            return verdict(name, problem)
+        if len(tokens) != 1 or tokens[0] not in (1, 2):
+            return verdict(name, "for p = [0, 0.7, 0.3], q = [0.6, 0.2, 0.2] and draft 0 it returned "
+                                 f"{tokens}; p(0) = 0, so the draft is always rejected and one token is "
+                                 f"drawn from the residual max(0, p - q) = [0, 0.5, 0.1], renormalised: 1 or "
+                                 f"2, never 0")
+    # one-hot q (a draft without probabilities): accepted with probability p(x); never x on rejection
+    one_hot_target = torch.tensor([[0.0, 1.0, 0.0], [0.2, 0.3, 0.5]], dtype=torch.float64)
+    tokens, problem = run(one_hot_target, [1], None, 0, "p = [0, 1, 0], draft 1 without probabilities")
+    if problem:
+        return verdict(name, problem)
+    if tokens[0] != 1 or len(tokens) != 2:
+        return verdict(name, "for p = [0, 1, 0] and draft 1 without probabilities (q one-hot on 1) it "
+                             f"returned {tokens}; p(1)/q(1) = 1, so the draft is accepted and a bonus token "
+                             f"follows")
+    # the law of the first emitted token must be p
+    p, q = _spec_toy_cases()
+    n = 6000
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(p.shape[1], dtype=torch.long)
+    for i in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=gen))
+        tokens, problem = run(p, [x], q, i, f"p = {p[0].tolist()}, q = {q[0].tolist()}, draft {x}")
+        if problem:
+            return verdict(name, problem)
+        counts[tokens[0]] += 1
+    _, pvalue = chi_square_test(counts, p[0])
+    if pvalue < 1e-3:
+        freq = [round(float(c) / n, 3) for c in counts]
+        return verdict(name, f"over {n} verify steps with p = {p[0].tolist()} and drafts drawn from q = "
+                             f"{q[0].tolist()}, the first emitted token had frequencies {freq}, not p "
+                             f"(chi-square p-value {pvalue:.1e}); on rejection, draw from max(0, p - q) "
+                             "renormalised")
+    return verdict(name, None)
+
+
+def check_ngram_draft(ngram_draft) -> bool:
+    """Check a learner's ngram_draft(token_ids, prompt_lookup_min, prompt_lookup_max, k) -> draft
+    tokens against radarlab.spec_decode.ngram.ngram_draft (vLLM's prompt-lookup rule): the longest suffix
+    n-gram (n from max down to min) that occurs earlier, its first (leftmost) occurrence, and the up
+    to k tokens that followed it."""
+    import random
+
+    from radarlab.spec_decode.ngram import ngram_draft as reference
+
+    name = "ngram_draft"
+    rng = random.Random(8)
+    cases = [  # (description, tokens, min, max, k)
+        ("tokens=[1, 2, 3, 4, 1, 2], min=2, max=3, k=2 (the 2-gram [1, 2] occurred at the start)",
+         [1, 2, 3, 4, 1, 2], 2, 3, 2),
+        ("tokens=[2, 8, 1, 2, 9, 1, 2], min=1, max=3, k=3 (the longest match wins: [1, 2], not [2])",
+         [2, 8, 1, 2, 9, 1, 2], 1, 3, 3),
+        ("tokens=[1, 2, 8, 1, 2, 9, 1, 2], min=2, max=2, k=1 (two earlier occurrences: the first one is "
+         "used)",
+         [1, 2, 8, 1, 2, 9, 1, 2], 2, 2, 1),
+        ("tokens=[3, 4, 5, 3, 4], min=2, max=4, k=5 (fewer tokens follow the match than k)",
+         [3, 4, 5, 3, 4], 2, 4, 5),
+        ("tokens=[1, 2, 3, 4, 5], min=1, max=3, k=3 (no repeat: no draft)", [1, 2, 3, 4, 5], 1, 3, 3),
+        ("tokens=[7, 7, 7, 7], min=1, max=2, k=3 (overlapping matches)", [7, 7, 7, 7], 1, 2, 3),
+        ("tokens=[1, 2, 3, 9, 2, 3, 1, 2, 3], min=2, max=3, k=2 (the 3-gram [1, 2, 3] beats the later "
+         "2-gram)",
+         [1, 2, 3, 9, 2, 3, 1, 2, 3], 2, 3, 2),
+        ("tokens=[4], min=1, max=2, k=2 (a single token)", [4], 1, 2, 2),
+    ]
+    for i in range(6):
+        tokens = [rng.randint(0, 4) for _ in range(rng.randint(6, 30))]
+        lo = rng.randint(1, 3)
+        hi = lo + rng.randint(0, 2)
+        k = rng.randint(1, 5)
+        cases.append((f"random case {i + 1}: tokens={tokens}, min={lo}, max={hi}, k={k}", tokens, lo, hi, k))
+    for description, tokens, lo, hi, k in cases:
+        want = reference(tokens, lo, hi, k)
+        got, problem = call_learner(lambda: ngram_draft(list(tokens), lo, hi, k), description)
+        if problem:
+            return verdict(name, problem)
+        try:
+            got = [int(t) for t in got]
+        except (TypeError, ValueError):
+            return verdict(name, f"for {description} it returned {got!r}; expected a list of token ids, "
+                                 f"{want}")
+        if got != want:
+            return verdict(name, f"for {description} it returned {got}, expected {want}")
+    return verdict(name, None)
