@@ -4,7 +4,11 @@ from __future__ import annotations
 import pytest
 
 from radarlab.kvcache.block_pool import (
-    BlockPool, NoFreeBlocks, PrefixCacheStats, hash_block_chain, hash_block_tokens,
+    BlockPool,
+    NoFreeBlocks,
+    PrefixCacheStats,
+    hash_block_chain,
+    hash_block_tokens,
 )
 
 

@@ -6,12 +6,11 @@ from collections import Counter, defaultdict
 
 import pytest
 import torch
-from hypothesis import settings
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
 from radarlab.kvcache.block_pool import NoFreeBlocks, hash_block_chain, hash_block_tokens
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
 from radarlab.kvcache.sequence import Sequence
 
 
@@ -145,7 +144,8 @@ def test_prefix_hits_reuse_full_blocks_and_recompute_last_token():
         m.free(seq)
     assert m.num_free_blocks == 8 and m.block_pool.num_cached_blocks == 2
     e, hit = alloc(m, "e", list(range(8)) + [99])
-    assert hit == 8 and m.get_block_table(e)[:2] == [0, 1]  # hits survive their owners, from the evictable set
+    assert hit == 8 and m.get_block_table(e)[:2] == [0,
+                                                     1]  # hits survive their owners, from the evictable set
 
 
 def test_decode_tokens_fill_and_register_blocks():
@@ -367,7 +367,8 @@ class PagedCacheMachine(RuleBasedStateMachine):
     served the right KV; and every cached block's hash is the one recomputed from its owner's tokens.
     """
 
-    @initialize(num_blocks=st.integers(3, 16), block_size=st.sampled_from([1, 2, 4, 4]), caching=st.booleans())
+    @initialize(num_blocks=st.integers(3, 16), block_size=st.sampled_from([1, 2, 4, 4]),
+                caching=st.booleans())
     def setup(self, num_blocks, block_size, caching):
         self.m = KVCacheManager(num_blocks, block_size, enable_prefix_caching=caching)
         self.bs = block_size
@@ -563,9 +564,11 @@ class PagedCacheMachine(RuleBasedStateMachine):
         owners = defaultdict(list)
         for seq in self.seqs.values():
             tokens = list(seq.all_token_ids)
-            num_slots = self.m.num_slots(seq)  # past its tokens: a rejected draft's slot, stale until rewritten
+            # past its tokens: a rejected draft's slot, stale until rewritten
+            num_slots = self.m.num_slots(seq)
             for pos, slot in enumerate(self.m.slot_mapping(seq, 0, min(num_slots, len(tokens)))):
-                assert self.pool[slot] == tuple(tokens[:pos + 1]), f"seq {seq.seq_id} position {pos} was overwritten"
+                assert self.pool[slot] == tuple(tokens[:pos + 1]), \
+                    f"seq {seq.seq_id} position {pos} was overwritten"
                 owners[slot].append(seq.seq_id)
         # A slot owned by two live sequences lives in a shared block (ref > 1) that holds the same KV
         # for both, checked above: it is shared read-only. The next slot each sequence will write is in

@@ -66,7 +66,9 @@ def _notebook_imports() -> dict[str, set[str]]:
             if cell["cell_type"] != "code":
                 continue
             source = "".join(cell["source"])
-            source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+            magic = ("%", "!")  # IPython's magics and shell lines are not Python
+            source = "\n".join("" if line.lstrip().startswith(magic) else line
+                               for line in source.splitlines())
             for node in ast.walk(ast.parse(source)):
                 if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "radarlab":
                     for alias in node.names:
@@ -104,11 +106,13 @@ def test_no_module_imports_another_modules_private_names():
             if not isinstance(node, ast.ImportFrom):
                 continue
             source = _absolute(node.module, node.level, path)
-            if source == here or source.split(".")[0] != "radarlab":  # another project's internals are its business
+            # another project's internals are its business
+            if source == here or source.split(".")[0] != "radarlab":
                 continue
             bad += [f"{path.relative_to(ROOT)}:{node.lineno} imports {alias.name} from {source}"
                     for alias in node.names if _is_private(alias.name)]
-    assert not bad, "private names imported across modules (make them public, or move them):\n" + "\n".join(bad)
+    assert not bad, ("private names imported across modules (make them public, or move them):\n"
+                     + "\n".join(bad))
 
 
 def test_names_notebooks_import_have_one_home():
@@ -170,7 +174,8 @@ def test_modules_import_first_in_a_fresh_interpreter(module):
     import subprocess
     import sys
 
-    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True, text=True, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                          text=True, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
 
 
@@ -194,7 +199,8 @@ def _imports(path: Path) -> list[tuple[str, int]]:
     found = []
     for node in ast.walk(_tree(path)):
         if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno) for alias in node.names if alias.name.split(".")[0] == "radarlab"]
+            found += [(alias.name, node.lineno) for alias in node.names
+                      if alias.name.split(".")[0] == "radarlab"]
         elif isinstance(node, ast.ImportFrom):
             source = _absolute(node.module, node.level, path)
             if source.split(".")[0] != "radarlab":
@@ -274,7 +280,8 @@ def test_no_import_cycles_between_rooms():
 def test_every_room_is_core_or_instrument():
     rooms = {_room(_dotted(p)) for p in _modules()} - {""}
     unknown = rooms - set(CORE) - set(INSTRUMENTS)
-    assert not unknown, f"rooms neither in CORE nor in INSTRUMENTS (tests/test_package_layout.py): {sorted(unknown)}"
+    assert not unknown, ("rooms neither in CORE nor in INSTRUMENTS (tests/test_package_layout.py): "
+                         f"{sorted(unknown)}")
 
 
 def test_the_core_imports_no_instrument():
@@ -305,7 +312,8 @@ def test_readme_reading_order_lists_the_core_with_its_line_counts():
     names = [name for name, _ in listed]
     core = sorted(str(p.relative_to(PACKAGE)) for p in _modules()
                   if _room(_dotted(p)) in CORE and (p.name != "__init__.py" or p.parent.name == "backends"))
-    assert sorted(names) == core, (f"core modules missing from README's reading order: {sorted(set(core) - set(names))}; "
+    assert sorted(names) == core, ("core modules missing from README's reading order: "
+                                   f"{sorted(set(core) - set(names))}; "
                                    f"listed but not core modules: {sorted(set(names) - set(core))}")
     rooms = [CORE.index(_room("radarlab." + name.split("/")[0].removesuffix(".py"))) for name in names]
     assert rooms == sorted(rooms), "README's reading order follows CORE's order of rooms"

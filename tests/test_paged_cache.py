@@ -5,23 +5,21 @@ allocator and block tables live in radarlab.kvcache.block_pool / block_table and
 """
 from __future__ import annotations
 
-import dataclasses
-
 import copy
+import dataclasses
 
 import pytest
 import torch
 
-
 from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.metadata import AttentionMetadata
-from radarlab.util import cdiv
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import default_device
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.generate import greedy_generate
+from radarlab.util import cdiv
 
 BACKENDS = ["torch", "triton"]
 NEW_TOKENS = 12
@@ -70,7 +68,8 @@ def test_write_puts_each_token_at_its_slot_and_skips_padding(backend, block_size
     cache.v.fill_(7.0)
     gen = torch.Generator().manual_seed(block_size)
     slots = torch.randperm(cache.num_slots, generator=gen)[:5].tolist()
-    slot_mapping = torch.tensor(slots[:2] + [-1] + slots[2:] + [-1])  # padding tokens in between and at the end
+    # padding tokens in between and at the end
+    slot_mapping = torch.tensor(slots[:2] + [-1] + slots[2:] + [-1])
     k = torch.randn(len(slot_mapping), 2, 8, generator=gen).to(cache.k.device)
     v = torch.randn(len(slot_mapping), 2, 8, generator=gen).to(cache.k.device)
     write_kv(cache, 1, k, v, slot_mapping)
@@ -172,13 +171,14 @@ def test_build_metadata_validates_once_and_stamps_the_pool_geometry():
     x = torch.ones(5, 2, 8)
     attention_forward(big, 0, x, x, x, checked, 1.0)
     with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = 5 is outside the pool"):
-        attention_forward(small, 0, x, x, x, checked, 1.0)  # stamped for the bigger pool: checked again, and refused
+        attention_forward(small, 0, x, x, x, checked,
+                          1.0)  # stamped for the bigger pool: checked again, and refused
     assert not small.k.any()
 
 
 def test_torch_backend_plans_once_per_step_and_attends_with_sdpa(monkeypatch):
-    """build_metadata builds the SDPA plan with the stamp; attention_forward reuses it in every layer and never calls
-    the reference; a stamped metadata without a plan (a Triton pool's) gets one."""
+    """build_metadata builds the SDPA plan with the stamp; attention_forward reuses it in every layer and
+    never calls the reference; a stamped metadata without a plan (a Triton pool's) gets one."""
     import radarlab.attention.backends.sdpa_attn as pc
 
     cache = small_cache(block_size=4, num_blocks=8)
@@ -310,7 +310,8 @@ def test_chunked_prefill_on_paged_cache_equals_contiguous(model, backend):
     """
     device = default_device() if backend == "triton" else "cpu"
     on_device = model if device == "cpu" else copy.deepcopy(model).to(device)
-    ids = torch.randint(0, model.config.vocab_size, (13,), generator=torch.Generator().manual_seed(1)).to(device)
+    ids = torch.randint(0, model.config.vocab_size, (13,),
+                        generator=torch.Generator().manual_seed(1)).to(device)
     chunks = [(0, 9), (9, 13)]
 
     contiguous = ContiguousKVCache.for_model(model.config, 1, 13, device=device)

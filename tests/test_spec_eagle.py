@@ -20,12 +20,12 @@ from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama
 from radarlab.models.paged_runner import paged_metadata, paged_step
-from radarlab.train.draft_data import target_features_batch
-from radarlab.train.draft_eval import speculative_generate
 from radarlab.spec_decode.draft_head import TRAINED_HEAD, DraftHead, draft_config, load_head
 from radarlab.spec_decode.eagle import EagleProposer
 from radarlab.spec_decode.ngram import NgramProposer
 from radarlab.spec_decode.ngram_eagle import NgramEagleProposer
+from radarlab.train.draft_data import target_features_batch
+from radarlab.train.draft_eval import speculative_generate
 from radarlab.train.train_draft import train
 
 WEIGHTS = TRAINED_HEAD  # committed: a test that needs it fails, never skips, when it is missing
@@ -43,7 +43,8 @@ def head_dir(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("eagle_head")
     cfg = tiny.config
     train(data, tiny, out, steps=80, batch_rows=4, passes=2, vocab_size=64, lr=3e-3, log=None,
-          hf_config={"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size, "num_attention_heads": cfg.num_heads,
+          hf_config={"hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size,
+                     "num_attention_heads": cfg.num_heads,
                      "num_key_value_heads": cfg.num_kv_heads, "model_type": "llama"})
     return out
 
@@ -67,7 +68,8 @@ def eagle(model, k=3):
 ])
 def test_greedy_equals_plain_greedy(tiny, head_dir, workload, batch, num_blocks, budget):
     engine = run_greedy(tiny, eagle(str(head_dir)), workload, batch, num_blocks, budget)
-    assert engine.spec_stats.num_accepted_tokens_per_pos[1] > 0  # whole drafts accepted: multi-position catch-up ran
+    # whole drafts accepted: multi-position catch-up ran
+    assert engine.spec_stats.num_accepted_tokens_per_pos[1] > 0
     if num_blocks == 14:
         assert engine.scheduler.num_preemptions > 0
 
@@ -77,7 +79,8 @@ def run_greedy(tiny, config, workload, batch, num_blocks, budget):
     accepted and some rejected, and the head holds nothing afterwards. Returns the engine."""
     prompts, ref = workload
     prompts, ref = prompts[:batch], ref[:batch]
-    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch, max_num_batched_tokens=budget,
+    engine = Engine(tiny, num_blocks=num_blocks, block_size=4, max_num_seqs=batch,
+                    max_num_batched_tokens=budget,
                     speculative_config=config)
     outs = engine.generate(prompts, SamplingParams(max_tokens=len(ref[0])))
     assert [o.output_token_ids for o in outs] == ref
@@ -129,7 +132,8 @@ def test_course_model_engine_equals_reference_with_the_committed_head(model, tok
     outs = engine.generate(prompts, SamplingParams(max_tokens=24))
     assert [o.output_token_ids for o in outs] == r["outputs"]
     s = engine.spec_stats
-    assert (s.num_drafts, s.num_accepted_tokens_per_pos) == (r["num_drafts"], r["num_accepted_tokens_per_pos"])
+    assert (s.num_drafts, s.num_accepted_tokens_per_pos) == (r["num_drafts"],
+                                                             r["num_accepted_tokens_per_pos"])
     assert s.num_accepted_tokens > s.num_drafts // 2  # the trained head is right often
 
 
@@ -200,7 +204,8 @@ def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
         make({"method": "eagle", "num_speculative_tokens": 3})
     with pytest.raises(ValueError, match=r"unknown speculative_config keys \['draft_vocab'\]"):
         make({**eagle(str(head_dir)), "draft_vocab": None})
-    with pytest.raises(ValueError, match=r"prompt_lookup_max belongs to methods \['ngram', 'ngram_eagle'\], not 'eagle'"):
+    with pytest.raises(ValueError, match=r"prompt_lookup_max belongs to methods \['ngram', 'ngram_eagle'\], "
+                                         r"not 'eagle'"):
         make({**eagle(str(head_dir)), "prompt_lookup_max": 3})
     with pytest.raises(ValueError, match="needs a draft head .* got Llama"):
         make(eagle(tiny))
@@ -217,7 +222,7 @@ def test_bad_eagle_config_raises(tiny, head_dir, tmp_path):
         EagleProposer(head, tiny, None, -1, 16, 4)
 
 
-# --- method "ngram_eagle" (radarlab.spec_decode.ngram_eagle): the n-gram's drafts first, the head's elsewhere ---
+# --- method "ngram_eagle" (radarlab.spec_decode.ngram_eagle): the n-gram's drafts, else the head's ---
 
 @pytest.fixture(scope="module")
 def lookup_workload(tiny):
@@ -229,7 +234,8 @@ def lookup_workload(tiny):
 
 
 def ngram_eagle(model, k=3):
-    return {"method": "ngram_eagle", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+    return {"method": "ngram_eagle", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+            "prompt_lookup_max": 3,
             "model": model}
 
 
@@ -265,7 +271,8 @@ def test_ngram_eagle_greedy_equals_plain_greedy(tiny, head_dir, lookup_workload,
     engine = run_greedy(tiny, ngram_eagle(str(head_dir)), lookup_workload, batch, num_blocks, budget)
     by_source = engine.proposer.num_drafts_by_source
     assert by_source["ngram"] > 0 and by_source["eagle"] > 0
-    assert by_source["ngram"] + by_source["eagle"] >= engine.spec_stats.num_drafts  # preemption drops some unverified
+    # preemption drops some unverified
+    assert by_source["ngram"] + by_source["eagle"] >= engine.spec_stats.num_drafts
     if num_blocks == 24:
         assert engine.scheduler.num_preemptions > 0
 
@@ -281,7 +288,8 @@ def test_ngram_eagle_head_drafts_as_if_it_had_drafted_every_step(tiny, head_dir,
     snapshots = []
     eagle_propose = engine.proposer.eagle.propose
 
-    def snapshot(requests, num_tokens):  # the requests change after the call: copy what a fresh proposer reads
+    # the requests change after the call: copy what a fresh proposer reads
+    def snapshot(requests, num_tokens):
         for r in requests:  # skipped: the n-gram steps since the head last drafted for r
             before = "".join(history[r.request_id][:-1])
             snapshots.append((list(r.all_token_ids), len(before) - len(before.rstrip("n"))))

@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from radarlab.sample.sampling_params import SamplingParams
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
-from radarlab.models.paged_runner import paged_step
-from radarlab.spec_decode.draft_model import truncated_copy
-from radarlab.sample.sampler import probabilities, sample
 from radarlab.lab.chi_square import chi_square_power, chi_square_sf, chi_square_test, critical_value
+from radarlab.models.paged_runner import paged_step
 from radarlab.sample.rejection_sampler import rejection_sample, verify_greedy, verify_stochastic
+from radarlab.sample.sampler import probabilities, sample
+from radarlab.sample.sampling_params import SamplingParams
+from radarlab.spec_decode.draft_model import truncated_copy
 
 ALPHA = 1e-3  # reject "the sampler draws from p" when the p-value is below this
 
@@ -38,7 +38,8 @@ def test_probabilities_is_what_sample_draws_from():
     assert drawn == [int(torch.multinomial(p, 1, generator=gen_b)) for _ in range(50)]
     # rows of a [k, V] block are truncated one by one, exactly as a single row
     block = torch.randn(3, 40)
-    torch.testing.assert_close(probabilities(block, params), torch.stack([probabilities(r, params) for r in block]))
+    torch.testing.assert_close(probabilities(block, params),
+                               torch.stack([probabilities(r, params) for r in block]))
     greedy = probabilities(logits, SamplingParams())
     assert greedy.sum() == 1 and greedy[logits.argmax()] == 1
 
@@ -95,7 +96,8 @@ def test_seeded_verification_is_reproducible():
     torch.manual_seed(0)
     logits, q = torch.randn(4, 30), torch.randn(3, 30).softmax(-1)
     params = SamplingParams(temperature=1.0)
-    runs = [[rejection_sample(logits, [3, 4, 5], params, q, torch.Generator().manual_seed(s)) for s in range(20)]
+    runs = [[rejection_sample(logits, [3, 4, 5], params, q,
+                              torch.Generator().manual_seed(s)) for s in range(20)]
             for _ in range(2)]
     assert runs[0] == runs[1]
     assert len({tuple(o) for o in runs[0]}) > 1  # the seed matters

@@ -9,8 +9,18 @@ from matplotlib.figure import Figure
 
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.viz.pool import (
-    DEFAULT_POOL_SCRIPT, PIXELS_PER_SLOT, TOKEN_FONT_SIZE, PoolOp, PoolState, apply_op, draw_pool, max_table_rows,
-    pool_image_size, pool_snapshot, run_pool_script, sequence_colors,
+    DEFAULT_POOL_SCRIPT,
+    PIXELS_PER_SLOT,
+    TOKEN_FONT_SIZE,
+    PoolOp,
+    PoolState,
+    apply_op,
+    draw_pool,
+    max_table_rows,
+    pool_image_size,
+    pool_snapshot,
+    run_pool_script,
+    sequence_colors,
 )
 from radarlab.viz.widgets import block_pool_stepper
 
@@ -38,7 +48,8 @@ def test_stepper_shows_each_step_of_the_script():
     for _ in range(4):  # B, two appends to A, then fork A -> C
         w.next_button.click()
     assert w.snapshot.tables == {"A": [0, 1, 3], "B": [2], "C": [0, 1, 3]}
-    assert {b: states(w.snapshot)[b][:2] for b in (0, 1, 3)} == {0: ("shared", 2), 1: ("shared", 2), 3: ("shared", 2)}
+    assert {b: states(w.snapshot)[b][:2] for b in (0, 1, 3)} == {0: ("shared", 2),
+                                                                 1: ("shared", 2), 3: ("shared", 2)}
     assert "nothing is copied" in w.caption.value
 
     w.next_button.click()  # C writes into the shared, partly filled block 3: copy-on-write
@@ -52,11 +63,13 @@ def test_stepper_shows_each_step_of_the_script():
 
     w.go(13)  # everyone freed: full blocks stay cached (evictable), partial ones go to the free list
     assert w.snapshot.tables == {} and w.snapshot.num_used_blocks == 0
-    assert sorted(w.snapshot.evictable) == [0, 1] and states(w.snapshot) == {0: ("cached", 0, 4), 1: ("cached", 0, 4)}
+    assert sorted(w.snapshot.evictable) == [0, 1] and states(w.snapshot) == {0: ("cached", 0, 4),
+                                                                             1: ("cached", 0, 4)}
 
     w.next_button.click()  # E's prompt starts with A's 8 tokens: both cached blocks are revived
     assert w.position == 14 and w.next_button.disabled
-    assert w.snapshot.tables == {"E": [0, 1, 6]} and "first 8 tokens are a prefix-cache hit" in w.caption.value
+    assert w.snapshot.tables == {"E": [0, 1,
+                                       6]} and "first 8 tokens are a prefix-cache hit" in w.caption.value
     w.next_button.click()  # at the end: stays there
     assert w.position == 14
 
@@ -165,7 +178,8 @@ def test_num_rows_fixes_the_extent():
     assert max_table_rows([PoolOp("allocate", s, [1]) for s in "abcde"], 10, 4) == 5
 
 
-@pytest.mark.parametrize("figsize, prompt", [((11, 3.8), [10, 11, 12, 13]), ((10.44, 2.7), [100, 255, 7, 999])])
+@pytest.mark.parametrize("figsize, prompt",
+                         [((11, 3.8), [10, 11, 12, 13]), ((10.44, 2.7), [100, 255, 7, 999])])
 def test_token_ids_stay_inside_their_slots(figsize, prompt):
     """In a smaller figure, or with longer ids, the font shrinks rather than spill into the next slot."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg

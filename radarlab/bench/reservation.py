@@ -40,13 +40,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from radarlab.lab.workload import WorkloadRequest, WorkloadSpec, length_summary, make_workload
 from radarlab.engine.request import Request, RequestStatus
-from radarlab.sample.sampling_params import SamplingParams
 from radarlab.engine.scheduler import Scheduler
-from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager, KVCacheBlocks
 from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheBlocks, KVCacheManager
 from radarlab.kvcache.sequence import Sequence
+from radarlab.lab.workload import WorkloadRequest, WorkloadSpec, length_summary, make_workload
+from radarlab.sample.sampling_params import SamplingParams
 from radarlab.util import cdiv, require_int, require_power_of_two
 
 DEFAULT_BLOCK_SIZE = 16  # vLLM's default block size on CUDA
@@ -85,7 +85,8 @@ def contiguous(budget_tokens: int, rule: str = "max") -> Reservation:
 def paged(budget_tokens: int, block_size: int) -> Reservation:
     num_blocks = budget_tokens // require_power_of_two("block_size", block_size)
     if num_blocks < 1:
-        raise ValueError(f"budget_tokens ({budget_tokens}) holds no block of block_size ({block_size}) positions")
+        raise ValueError(f"budget_tokens ({budget_tokens}) holds no block of "
+                         f"block_size ({block_size}) positions")
     return Reservation("paged", block_size, num_blocks)
 
 
@@ -109,8 +110,10 @@ class UpfrontBlockSpaceManager(KVCacheManager):
             raise ValueError(f"sequence {seq.seq_id!r} already has a block table")
         need = self.reserve(seq)
         if need > self.num_free_blocks:
-            raise NoFreeBlocks(f"sequence {seq.seq_id!r} reserves {need} positions, {self.num_free_blocks} are free")
-        num_new = seq.num_tokens if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1,
+            raise NoFreeBlocks(f"sequence {seq.seq_id!r} reserves {need} positions, "
+                               f"{self.num_free_blocks} are free")
+        num_new = seq.num_tokens if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens,
+                                                                            1,
                                                                             seq.num_tokens)
         self.block_tables[seq.seq_id] = KVCacheBlocks(1, self.block_pool.allocate_many(need), num_new)
         return 0
@@ -207,18 +210,19 @@ def _mean(values: list[int]) -> float | None:
 
 def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_model_len: int,
              max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
-             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS, watermark: float = 0.0) -> SimResult:
+             max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+             watermark: float = 0.0) -> SimResult:
     """Serve all requests (arrived at step 0) through the real Scheduler with one cache's reservation
     rule, stepping without a model; see the module docstring."""
     if not requests:
         raise ValueError("requests is empty")
     for r in requests:
         if r.prompt_len < 1 or r.output_len < 1:
-            raise ValueError(f"request {r.request_id} has prompt_len {r.prompt_len} and output_len {r.output_len}; "
-                             "both must be >= 1")
+            raise ValueError(f"request {r.request_id} has prompt_len {r.prompt_len} and output_len "
+                             f"{r.output_len}; both must be >= 1")
         if r.prompt_len + r.output_len > max_model_len:
-            raise ValueError(f"request {r.request_id} needs {r.prompt_len + r.output_len} positions, more than "
-                             f"max_model_len={max_model_len}")
+            raise ValueError(f"request {r.request_id} needs {r.prompt_len + r.output_len} positions, more "
+                             f"than max_model_len={max_model_len}")
         if r.max_cached_tokens > reservation.capacity_tokens:
             raise ValueError(f"request {r.request_id} needs {r.max_cached_tokens} positions; the cache holds "
                              f"{reservation.capacity_tokens}, so it could never run")
@@ -228,12 +232,15 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
         for r in requests:
             need = manager.reserve(Sequence(r.request_id, [0] * r.prompt_len))
             if need > manager.num_blocks:
-                raise ValueError(f"request {r.request_id} reserves {need} positions under the {reservation.name} rule; "
+                raise ValueError(f"request {r.request_id} reserves {need} positions under the "
+                                 f"{reservation.name} rule; "
                                  f"the cache holds {manager.num_blocks}, so it could never run")
     scheduler = Scheduler(manager, max_num_seqs, max_num_batched_tokens, max_model_len, watermark)
     for r in requests:
-        scheduler.add_request(Request(r.request_id, [0] * r.prompt_len, SamplingParams(max_tokens=r.output_len)))
-    result = SimResult(reservation.name, reservation.capacity_tokens, sum(r.max_cached_tokens for r in requests))
+        scheduler.add_request(Request(r.request_id, [0] * r.prompt_len,
+                                      SamplingParams(max_tokens=r.output_len)))
+    result = SimResult(reservation.name, reservation.capacity_tokens,
+                       sum(r.max_cached_tokens for r in requests))
     while scheduler.has_unfinished_requests():
         out = scheduler.schedule()
         if out.errored:
@@ -248,7 +255,8 @@ def simulate(requests: list[WorkloadRequest], reservation: Reservation, max_mode
                 scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
         result.sampled.append(len(done))
     if manager.num_free_blocks != manager.num_blocks:
-        raise RuntimeError(f"{manager.num_blocks - manager.num_free_blocks} blocks are still held after the run")
+        raise RuntimeError(f"{manager.num_blocks - manager.num_free_blocks} blocks "
+                           f"are still held after the run")
     return result
 
 
@@ -283,10 +291,12 @@ def snapshot_utilisation(context_lens, max_model_len: int, block_size: int) -> t
         if not 1 <= n <= max_model_len:
             raise ValueError(f"a context of {n} tokens is outside 1..{max_model_len}")
     used = sum(context_lens)
-    return used / (len(context_lens) * max_model_len), used / sum(cdiv(n, block_size) * block_size for n in context_lens)
+    paged = sum(cdiv(n, block_size) * block_size for n in context_lens)
+    return used / (len(context_lens) * max_model_len), used / paged
 
 
-def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int, block_size: int) -> dict[str, list[int]]:
+def chunked_prompt_blocks(prompt_len: int, max_num_batched_tokens: int,
+                          block_size: int) -> dict[str, list[int]]:
     """What a lone prompt prefilled in chunks holds after each step, in blocks: reserved for the whole
     prompt at admission (vLLM v0's KVCacheManager, and this course's before it followed v1), against
     reserved for the tokens scheduled so far (vLLM v1's allocate_slots, run here by the real Scheduler).
@@ -316,7 +326,8 @@ def thrash_sweep(requests: list[WorkloadRequest], reservation: Reservation, max_
         for watermark in watermarks:
             s = simulate(requests, reservation, max_model_len, max_num_seqs, max_num_batched_tokens,
                          watermark).summary()
-            rows.append({"max_num_seqs": max_num_seqs, "watermark": watermark, "preemptions": s["preemptions"],
+            rows.append({"max_num_seqs": max_num_seqs, "watermark": watermark,
+                         "preemptions": s["preemptions"],
                          "recompute_share": s["recompute_share"], "tokens_computed": s["tokens_computed"],
                          "steps": s["steps"], "concurrency_mean": s["concurrency"]["mean"],
                          "utilisation": s["utilisation"]})
@@ -336,11 +347,12 @@ class MemoryBenchConfig:
             require_int(name, getattr(self, name))
         require_power_of_two("block_size", self.block_size)
         if self.budget_tokens % self.block_size:
-            raise ValueError(f"budget_tokens ({self.budget_tokens}) must be a multiple of block_size ({self.block_size}) "
-                             "so both caches get the same memory")
+            raise ValueError(f"budget_tokens ({self.budget_tokens}) must be a multiple of block_size "
+                             f"({self.block_size}) so both caches get the same memory")
         if self.budget_tokens < self.workload.max_model_len:
-            raise ValueError(f"budget_tokens ({self.budget_tokens}) must hold at least one request of max_model_len "
-                             f"({self.workload.max_model_len}) positions (vLLM refuses to start otherwise)")
+            raise ValueError(f"budget_tokens ({self.budget_tokens}) must hold at least one request of "
+                             f"max_model_len ({self.workload.max_model_len}) positions (vLLM "
+                             f"refuses to start otherwise)")
 
     @property
     def reservations(self) -> list[Reservation]:
@@ -357,8 +369,8 @@ def run(config: MemoryBenchConfig = MemoryBenchConfig()) -> dict[str, SimResult]
 
 def report(config: MemoryBenchConfig, results: dict[str, SimResult]) -> dict:
     """The JSON document: parameters, workload statistics, environment, results and the goal."""
-    from radarlab.lab.machine import environment
     from radarlab.kvcache.memory import kv_bytes_per_token
+    from radarlab.lab.machine import environment
 
     requests = make_workload(config.workload)
     per_token = kv_bytes_per_token(**COURSE_MODEL_KV, kv_dtype="bf16")
@@ -374,10 +386,10 @@ def report(config: MemoryBenchConfig, results: dict[str, SimResult]) -> dict:
             "block_size": config.block_size,
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
-            "scheduler": "radarlab.engine.Scheduler without a model: FCFS, chunked prefill within the token budget, "
-                         "admission only if the whole prompt fits, blocks for the scheduled tokens only; preempt "
-                         "the newest running request when the pool is short (recompute); no admissions in a step "
-                         "that preempted",
+            "scheduler": "radarlab.engine.Scheduler without a model: FCFS, chunked prefill within the token "
+                         "budget, admission only if the whole prompt fits, blocks for the scheduled tokens "
+                         "only; preempt the newest running request when the pool is short (recompute); no "
+                         "admissions in a step that preempted",
         },
         "workload": {
             "prompt_len": length_summary([r.prompt_len for r in requests]),
@@ -418,7 +430,8 @@ def format_table(doc: dict) -> str:
     if "paged" in res:
         slack = res["paged"]["last_block_slack"]
         lines.append(f"paged last-block slack: {slack['fraction_of_reserved']:.4f} of reserved, "
-                     f"{slack['mean_tokens_per_request']:.2f} tokens per request (block {doc['parameters']['block_size']})")
+                     f"{slack['mean_tokens_per_request']:.2f} tokens per request (block "
+                     f"{doc['parameters']['block_size']})")
     goal = doc["goal"]
     lines.append(f"paged utilisation {goal['paged_utilisation']:.4f}; the vLLM paper reports under 4% waste "
                  f"(>= {goal['paged_utilisation_min']})")
@@ -432,17 +445,23 @@ def _fmt(value, spec: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     spec = WorkloadSpec()
     parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
-    parser.add_argument("--num-requests", type=int, default=spec.num_requests, help="requests in the workload (%(default)s)")
+    parser.add_argument("--num-requests", type=int, default=spec.num_requests, help="requests in the "
+                                                                                    "workload (%(default)s)")
     parser.add_argument("--seed", type=int, default=spec.seed, help="workload seed (%(default)s)")
     parser.add_argument("--max-model-len", type=int, default=spec.max_model_len,
                         help="longest request, prompt + output; what a max reservation takes (%(default)s)")
-    parser.add_argument("--prompt-mean", type=float, default=spec.prompt_mean, help="log-normal mean (%(default)s)")
-    parser.add_argument("--prompt-sigma", type=float, default=spec.prompt_sigma, help="log-normal shape (%(default)s)")
-    parser.add_argument("--output-mean", type=float, default=spec.output_mean, help="log-normal mean (%(default)s)")
-    parser.add_argument("--output-sigma", type=float, default=spec.output_sigma, help="log-normal shape (%(default)s)")
+    parser.add_argument("--prompt-mean", type=float, default=spec.prompt_mean, help="log-normal "
+                                                                                    "mean (%(default)s)")
+    parser.add_argument("--prompt-sigma", type=float, default=spec.prompt_sigma, help="log-normal "
+                                                                                      "shape (%(default)s)")
+    parser.add_argument("--output-mean", type=float, default=spec.output_mean, help="log-normal "
+                                                                                    "mean (%(default)s)")
+    parser.add_argument("--output-sigma", type=float, default=spec.output_sigma, help="log-normal "
+                                                                                      "shape (%(default)s)")
     parser.add_argument("--budget-tokens", type=int, default=DEFAULT_BUDGET_TOKENS,
                         help="KV positions both caches share (%(default)s)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged block size (%(default)s)")
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged "
+                                                                                   "block size (%(default)s)")
     parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
                         help="requests running at once, at most (%(default)s)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
@@ -452,7 +471,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:
     """Raises ValueError naming the bad parameter and its flag."""
     try:
-        spec = WorkloadSpec(args.num_requests, args.seed, args.max_model_len, args.prompt_mean, args.prompt_sigma,
+        spec = WorkloadSpec(args.num_requests, args.seed, args.max_model_len,
+                            args.prompt_mean, args.prompt_sigma,
                             args.output_mean, args.output_sigma)
         return MemoryBenchConfig(spec, args.budget_tokens, args.block_size, args.max_num_seqs,
                                  args.max_num_batched_tokens)

@@ -76,7 +76,8 @@ class PrefixCacheStats:
     query_blocks: int = 0
     hit_blocks: int = 0
 
-    def record(self, num_tokens: int, num_hit_tokens: int, num_query_blocks: int, num_hit_blocks: int) -> None:
+    def record(self, num_tokens: int, num_hit_tokens: int, num_query_blocks: int,
+               num_hit_blocks: int) -> None:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hit_tokens
@@ -144,7 +145,8 @@ class BlockPool:
     def allocate_many(self, n: int) -> list[int]:
         """n fresh blocks, all or none: NoFreeBlocks is raised before anything changes."""
         if n > self.num_free_blocks:
-            raise NoFreeBlocks(f"need {n} free KV blocks, only {self.num_free_blocks} of {self.num_blocks} are free")
+            raise NoFreeBlocks(f"need {n} free KV blocks, only {self.num_free_blocks} of "
+                               f"{self.num_blocks} are free")
         block_ids = []
         for _ in range(n):
             if self.free_block_ids:
@@ -245,7 +247,8 @@ class BlockPool:
 
     def _check_id(self, block_id: int) -> None:
         if not is_int(block_id) or not 0 <= block_id < self.num_blocks:
-            raise ValueError(f"block id {block_id!r} is outside the pool (valid ids: 0..{self.num_blocks - 1})")
+            raise ValueError(f"block id {block_id!r} is outside the pool (valid ids: "
+                             f"0..{self.num_blocks - 1})")
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, "

@@ -37,7 +37,8 @@ class ContiguousKVCache:
         self.max_len = max_len
 
     @classmethod
-    def for_model(cls, config, max_seqs: int, max_len: int, dtype=torch.float32, device="cpu") -> "ContiguousKVCache":
+    def for_model(cls, config, max_seqs: int, max_len: int, dtype=torch.float32,
+                  device="cpu") -> "ContiguousKVCache":
         return cls(config.num_layers, max_seqs, max_len, config.num_kv_heads, config.head_dim, dtype, device)
 
     @property

@@ -43,7 +43,6 @@ from radarlab.quant.formats import KVFormat
 from radarlab.quant.kv_codec import meta_dtype, zero_dtype
 from radarlab.util import cdiv
 
-
 DEFAULT_TAIL_SEQUENCES = 64  # tails for this many sequences' windows: the engine's default max_num_seqs
 
 
@@ -145,22 +144,26 @@ class KiviStore:
         slots = slot_mapping.tolist()
         rows = [(i, index[(s // B, (s % B) // g)], s % g) for i, s in enumerate(slots) if s >= 0]
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.k.device)
-        fresh_of = torch.full(self.tail_of.shape, -1, dtype=torch.long, device=self.k.device)  # -> step's item
+        fresh_of = torch.full(self.tail_of.shape, -1, dtype=torch.long,
+                              device=self.k.device)  # -> step's item
         if keys:
-            fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys), device=self.k.device)
+            fresh_of[t([k[0] for k in keys]), t([k[1] for k in keys])] = torch.arange(len(keys),
+                                                                                      device=self.k.device)
         src, dst = [items[k][0] for k in keys], [items[k][3] for k in keys]
         # Which items read a tail or old codes, and which keep a tail, as index lists made here: the
         # layers' writes then branch on their lengths, never on a device tensor (no host sync).
         from_tail = [i for i, x in enumerate(src) if x >= 0]
         keep = [i for i, x in enumerate(dst) if x >= 0]
         self.fresh = None
-        self.plan = dict(fresh_of=fresh_of, tail_of=self.tail_of.to(self.k.device),  # on the device, once a step
+        self.plan = dict(fresh_of=fresh_of,
+                         tail_of=self.tail_of.to(self.k.device),  # on the device, once a step
             blocks=t([k[0] for k in keys]), groups=t([k[1] for k in keys]),
             valid=t([items[k][2] for k in keys]), skip=t([skip[k] for k in keys]),
             token=t([r[0] for r in rows]), item=t([r[1] for r in rows]), offset=t([r[2] for r in rows]),
             from_tail=t(from_tail), tail_src=t([src[i] for i in from_tail]),
             from_codes=t([i for i, x in enumerate(src) if x == -2]),
-            keep=t(keep), keep_dst=t([dst[i] for i in keep]), quantize=t([i for i, x in enumerate(dst) if x < 0]),
+            keep=t(keep), keep_dst=t([dst[i] for i in keep]),
+            quantize=t([i for i, x in enumerate(dst) if x < 0]),
         )
 
     def _allocate(self, busy: dict) -> int:
@@ -181,18 +184,20 @@ class KiviStore:
             self.tail_of[block, gib] = -1
             self.free.append(tail)
             return
-        raise RuntimeError(f"kivi: all {self.k_tail.shape[1]} tails are in use by this step's groups; build the "
-                           f"cache with more num_tail_groups")
+        raise RuntimeError(f"kivi: all {self.k_tail.shape[1]} tails are in use by this step's groups; build "
+                           f"the cache with more num_tail_groups")
 
     # --- writes ---------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """This step's k, v [T, H, D] (rows in slot_mapping's order) into their groups, by the plan."""
         p = self.plan
         if p is None:
-            raise RuntimeError("kivi: write before begin_step (the attention backend's build plans each step)")
+            raise RuntimeError("kivi: write before begin_step (the attention backend's build plans each "
+                               "step)")
         n, (H, D) = p["blocks"].numel(), k.shape[1:]
         if n == 0:
-            self.fresh = (layer, k.new_zeros(0, self.group, H, D).half(), k.new_zeros(0, self.group, H, D).half())
+            self.fresh = (layer, k.new_zeros(0, self.group, H, D).half(),
+                          k.new_zeros(0, self.group, H, D).half())
             return
         ks = torch.zeros(n, self.group, H, D, device=k.device)
         vs = torch.zeros_like(ks)
@@ -211,7 +216,8 @@ class KiviStore:
             self.v_tail[layer, p["keep_dst"]] = vs[p["keep"]].half()
         rows = p["quantize"]
         if rows.numel():
-            self._quantize_groups(layer, ks[rows], vs[rows], p["blocks"][rows], p["groups"][rows], p["valid"][rows],
+            self._quantize_groups(layer, ks[rows], vs[rows], p["blocks"][rows],
+                                  p["groups"][rows], p["valid"][rows],
                                   p["skip"][rows])
 
     def _rows(self, blocks, groups) -> torch.Tensor:
@@ -251,10 +257,13 @@ class KiviStore:
     def _decode_groups(self, layer, blocks, groups):
         slots = self._rows(blocks, groups).reshape(-1)
         H, D = self.k.shape[3], self.k.shape[4] * 2
-        k = kivi.dequantize_keys(self.k[layer].view(-1, H, D // 2)[slots], self.k_scales[layer][blocks, groups],
+        k = kivi.dequantize_keys(self.k[layer].view(-1, H, D // 2)[slots],
+                                 self.k_scales[layer][blocks, groups],
                                  self.k_zeros[layer][blocks, groups], self.group, self.fmt.scale_dtype)
-        v = int4.dequantize(self.v[layer].view(-1, H, D // 2)[slots], self.v_scales[layer].view(-1, H, D // self.group)[slots],
-                            self.v_zeros[layer].view(-1, H, D // self.group)[slots], self.group, self.fmt.scale_dtype)
+        v = int4.dequantize(self.v[layer].view(-1, H, D // 2)[slots],
+                            self.v_scales[layer].view(-1, H, D // self.group)[slots],
+                            self.v_zeros[layer].view(-1, H, D // self.group)[slots], self.group,
+                            self.fmt.scale_dtype)
         return k.view(-1, self.group, H, D), v.view(-1, self.group, H, D)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -298,10 +307,12 @@ class KiviPool:
     def __getitem__(self, blocks) -> torch.Tensor:
         s, L, g = self.store, self.layer, self.store.group
         if self.keys:
-            x = kivi.dequantize_keys(s.k[L][blocks], s.k_scales[L][blocks], s.k_zeros[L][blocks], g, s.fmt.scale_dtype)
+            x = kivi.dequantize_keys(s.k[L][blocks], s.k_scales[L][blocks], s.k_zeros[L][blocks],
+                                     g, s.fmt.scale_dtype)
             tail = s.k_tail[L]
         else:
-            x = int4.dequantize(s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks], g, s.fmt.scale_dtype)
+            x = int4.dequantize(s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks],
+                                g, s.fmt.scale_dtype)
             tail = s.v_tail[L]
         x = _overlay(x, s.tail_of.to(x.device)[blocks], tail, g)
         if self.fresh:

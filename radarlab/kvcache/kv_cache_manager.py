@@ -59,7 +59,8 @@ class KVCacheBlocks:
 
     def slot(self, pos: int) -> int:
         if not 0 <= pos < self.num_slots:
-            raise ValueError(f"position {pos} has no slot; the sequence has slots for {self.num_slots} tokens")
+            raise ValueError(f"position {pos} has no slot; the sequence has slots for {self.num_slots} "
+                             "tokens")
         return self.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def slot_mapping(self, start_pos: int, num_tokens: int) -> list[int]:
@@ -148,15 +149,16 @@ class KVCacheManager:
             raise ValueError(f"sequence {seq.seq_id!r} already has a block table")
         num_required = cdiv(seq.num_tokens, self.block_size)
         if num_required > self.num_blocks:
-            raise ValueError(f"sequence {seq.seq_id!r} of {seq.num_tokens} tokens needs {num_required} blocks of "
-                             f"{self.block_size}; the whole pool has {self.num_blocks}")
+            raise ValueError(f"sequence {seq.seq_id!r} of {seq.num_tokens} tokens needs {num_required} "
+                             f"blocks of {self.block_size}; the whole pool has {self.num_blocks}")
         hit, num_computed = self.get_computed_blocks(seq)
         num_to_take = self._blocks_to_take(num_required, hit)
         if num_to_take > self.num_free_blocks:
             raise NoFreeBlocks(f"sequence {seq.seq_id!r} of {seq.num_tokens} tokens needs {num_to_take} free "
                                f"blocks, {self.num_free_blocks} are free")
         remaining = seq.num_tokens - num_computed
-        num_new = remaining if num_new_tokens is None else require_int("num_new_tokens", num_new_tokens, 1, remaining)
+        num_new = remaining if num_new_tokens is None else require_int("num_new_tokens",
+                                                                       num_new_tokens, 1, remaining)
         num_slots = num_computed + num_new
         for block_id in hit:
             self.block_pool.incref(block_id)
@@ -188,14 +190,15 @@ class KVCacheManager:
         num_new = require_int("num_new_tokens", num_new_tokens, 0)
         lookahead = require_int("num_lookahead_tokens", num_lookahead_tokens, 0)
         if num_new and table.num_slots + num_new > seq.num_tokens + lookahead:
-            raise ValueError(f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens (+{lookahead} lookahead), "
-                             f"{table.num_slots} with slots; it has no tokens for {num_new} more slots (append the "
-                             f"tokens first)")
+            raise ValueError(f"sequence {seq.seq_id!r} holds {seq.num_tokens} tokens (+{lookahead} "
+                             f"lookahead), {table.num_slots} with slots; it has no tokens for {num_new} more "
+                             f"slots (append the tokens first)")
         num_to_take = self._append_cost(table, num_new)
         if num_to_take > self.num_free_blocks:
-            raise NoFreeBlocks(f"sequence {seq.seq_id!r} needs {num_to_take} free blocks for {num_new} new tokens, "
-                               f"{self.num_free_blocks} are free")
-        if not num_new:  # slots a rejected draft left may hold the next tokens: blocks they fill are cached now
+            raise NoFreeBlocks(f"sequence {seq.seq_id!r} needs {num_to_take} free blocks for {num_new} new "
+                               f"tokens, {self.num_free_blocks} are free")
+        # slots a rejected draft left may hold the next tokens: blocks they fill are cached now
+        if not num_new:
             self._cache_full_blocks(seq, table)
             return []
         copies = []
@@ -223,8 +226,8 @@ class KVCacheManager:
             raise ValueError(f"sequence {child.seq_id!r} already has a block table")
         table = self._table(parent).copy()
         if child.all_token_ids[:table.num_slots] != parent.all_token_ids[:table.num_slots]:
-            raise ValueError(f"sequence {child.seq_id!r} does not start with the {table.num_slots} tokens that "
-                             f"{parent.seq_id!r} has slots for, so it cannot share its blocks")
+            raise ValueError(f"sequence {child.seq_id!r} does not start with the {table.num_slots} tokens "
+                             f"that {parent.seq_id!r} has slots for, so it cannot share its blocks")
         child.bind_block_size(self.block_size)
         for block_id in table.block_ids:
             self.block_pool.incref(block_id)
@@ -240,8 +243,8 @@ class KVCacheManager:
         table = self._table(seq)
         num_slots = require_int("num_slots", num_slots, 0)
         if num_slots > table.num_slots:
-            raise ValueError(f"sequence {seq.seq_id!r} has slots for {table.num_slots} positions; it cannot keep "
-                             f"{num_slots}")
+            raise ValueError(f"sequence {seq.seq_id!r} has slots for {table.num_slots} positions; "
+                             f"it cannot keep {num_slots}")
         num_kept = cdiv(num_slots, self.block_size)
         for block_id in reversed(table.block_ids[num_kept:]):
             self.block_pool.free(block_id)
@@ -293,8 +296,8 @@ class KVCacheManager:
         out = torch.full((len(tables), width), pad, dtype=torch.int32)
         for row, block_ids in enumerate(tables):
             if len(block_ids) > width:
-                raise ValueError(f"sequence {_seq_id(seqs[row])!r} has {len(block_ids)} blocks; "
-                                 f"max_blocks is {width}")
+                raise ValueError(f"sequence {_seq_id(seqs[row])!r} has {len(block_ids)} "
+                                 f"blocks; max_blocks is {width}")
             out[row, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
         return out.to(device) if device is not None else out
 

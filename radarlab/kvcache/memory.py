@@ -79,11 +79,13 @@ class KVFootprint:
 
     @property
     def overhead_bytes_per_stream(self) -> int:
-        return self.overhead_bytes_per_token * self.tokens + self.residual_bytes_per_stream + self.sink_bytes_per_stream
+        return (self.overhead_bytes_per_token * self.tokens + self.residual_bytes_per_stream
+                + self.sink_bytes_per_stream)
 
     @property
     def bytes_per_stream(self) -> int:
-        return self.bytes_per_token * self.tokens + self.residual_bytes_per_stream + self.sink_bytes_per_stream
+        return (self.bytes_per_token * self.tokens + self.residual_bytes_per_stream
+                + self.sink_bytes_per_stream)
 
     @property
     def gb_per_stream(self) -> float:
@@ -111,13 +113,16 @@ def kv_footprint(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_dtyp
     heads = values // (2 * head_dim)  # layers x kv_heads
     payload, overhead = payload * heads, overhead * heads
     if payload.denominator != 1 or overhead.denominator != 1:
-        raise ValueError(f"{fmt.name} does not store a whole number of bytes per token with head_dim {head_dim}")
-    # kivi's newest tokens wait in 16-bit: 2 bytes for each of K's and V's head_dim values, not their 4-bit cost
+        raise ValueError(f"{fmt.name} does not store a whole number of bytes per "
+                         f"token with head_dim {head_dim}")
+    # kivi's newest tokens wait in 16-bit: 2 bytes for each of K's and V's head_dim values, not their
+    # 4-bit cost
     residual = min(fmt.residual, tokens)
     extra = residual * (heads * 4 * head_dim - (payload + overhead))
     # the sink's 16-bit copies are kept beside the codes of the same tokens: their full 16-bit cost, once
     sink = fmt.sink_bytes_per_stream(layers, kv_heads, head_dim) if fmt.is_quantized else 0
-    return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, fmt.group_size, int(payload), int(overhead),
+    return KVFootprint(layers, kv_heads, head_dim, tokens, kv_dtype, fmt.group_size,
+                       int(payload), int(overhead),
                        int(extra), sink)
 
 
@@ -135,7 +140,8 @@ def kv_gb_per_stream(layers: int, kv_heads: int, head_dim: int, tokens: int, kv_
 
 def kv_budget_gb(gpu_mem_gb: float, weights_gb: float = 0.0) -> float:
     """Memory left for the KV cache: GPU memory minus the weights (negative when weights do not fit)."""
-    return require_number("gpu_mem_gb", gpu_mem_gb, positive=True) - require_number("weights_gb", weights_gb, 0)
+    return require_number("gpu_mem_gb", gpu_mem_gb,
+                          positive=True) - require_number("weights_gb", weights_gb, 0)
 
 
 def max_concurrent_streams(gpu_mem_gb: float, weights_gb: float, gb_per_stream: float) -> int:
@@ -184,8 +190,10 @@ def shape_from_hf_config(config) -> KVModelShape:
             raise ValueError(f"hidden_size ({hidden}) is not divisible by num_attention_heads ({heads})")
         head_dim = hidden // heads
     if heads and heads % kv_heads:
-        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})")
-    return KVModelShape(require_int("num_hidden_layers", layers), require_int("num_key_value_heads", kv_heads),
+        raise ValueError(f"num_attention_heads ({heads}) must be a multiple of "
+                         f"num_key_value_heads ({kv_heads})")
+    return KVModelShape(require_int("num_hidden_layers", layers),
+                        require_int("num_key_value_heads", kv_heads),
                         require_int("head_dim", head_dim))
 
 
@@ -237,7 +245,8 @@ def format_report(r: dict) -> str:
     """The human-readable version of kv_report's dict."""
     fmt = r["kv_dtype"] + (f" (group {r['group_size']})" if r["group_size"] else "")
     lines = [f"model: {r['model']}"] if r.get("model") else []
-    lines += [f"KV cache: {r['layers']} layers x {r['kv_heads']} KV heads x head dim {r['head_dim']} x 2 (K and V), {fmt}"]
+    lines += [f"KV cache: {r['layers']} layers x {r['kv_heads']} KV heads x head dim "
+              f"{r['head_dim']} x 2 (K and V), {fmt}"]
     if r["overhead_bytes_per_token"]:
         lines.append(f"  bytes per token:  {r['payload_bytes_per_token']:,} payload + "
                      f"{r['overhead_bytes_per_token']:,} scales/zero points = {r['bytes_per_token']:,}")
@@ -268,8 +277,8 @@ def summary_line(r: dict) -> str:
         n = r["max_concurrent_streams"]
         fit = f"{n} stream{'s' * (n != 1)} fit{'s' * (n == 1)} in"
         if r["weights_fit"] and r["weights_gb"]:  # the room is what the weights leave, not the GPU
-            text += (f" | {fit} the {r['kv_budget_gb']:.2f} GB left after {r['weights_gb']:.2f} GB of weights "
-                     f"(GPU {r['gpu_mem_gb']:.2f} GB)")
+            text += (f" | {fit} the {r['kv_budget_gb']:.2f} GB left after {r['weights_gb']:.2f} GB of "
+                     f"weights (GPU {r['gpu_mem_gb']:.2f} GB)")
         elif r["weights_fit"]:
             text += f" | {fit} {r['kv_budget_gb']:.2f} GB (all of the GPU: no weights counted)"
         else:
@@ -278,7 +287,8 @@ def summary_line(r: dict) -> str:
 
 
 _FLAGS = {name: "--" + name.replace("_", "-") for name in
-          ("model", "layers", "kv_heads", "head_dim", "tokens", "kv_dtype", "group_size", "gpu_mem_gb", "weights_gb")}
+          ("model", "layers", "kv_heads", "head_dim", "tokens", "kv_dtype", "group_size",
+           "gpu_mem_gb", "weights_gb")}
 
 
 _SHAPE_DEFAULTS = {"layers": 80, "kv_heads": 8, "head_dim": 128}  # the article's model
@@ -291,9 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "Defaults: the article's 80-layer GQA model at 32,768 tokens.",
     )
     p.add_argument("--model", default=None, metavar="ID_OR_PATH",
-                   help="read layers, KV heads and head dim from a Hugging Face config: a directory containing "
-                        "config.json, a config.json file, a hub id (needs network), or a stored name: "
-                        + ", ".join(stored_config_names()))
+                   help="read layers, KV heads and head dim from a Hugging Face config: a directory "
+                        "containing config.json, a config.json file, a hub id (needs network), or a "
+                        "stored name: " + ", ".join(stored_config_names()))
     for name, default in _SHAPE_DEFAULTS.items():
         p.add_argument(_FLAGS[name], type=int, default=None, help=f"default {default}; not with --model")
     p.add_argument("--tokens", type=int, default=32768, help="context length of one stream")
@@ -301,9 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a kv_cache_dtype: " + ", ".join(KV_DTYPES) + " (options such as int4_g64_sym or "
                         "kivi_g32_r128: see radarlab.quant.formats)")
     p.add_argument("--group-size", type=int, default=DEFAULT_GROUP_SIZE,
-                   help="int4/kivi without g<N> in the name: values sharing one scale (and zero point); "
-                        "must divide head dim")
-    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in decimal GB (e.g. 48 for two 4090s)")
+                   help="int4/kivi without g<N> in the name: values sharing one scale (and zero "
+                        "point); must divide head dim")
+    p.add_argument("--gpu-mem-gb", type=float, default=None, help="GPU memory in decimal "
+                                                                  "GB (e.g. 48 for two 4090s)")
     p.add_argument("--weights-gb", type=float, default=0.0, help="memory the model weights take, GB")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     return p

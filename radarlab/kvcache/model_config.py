@@ -70,7 +70,8 @@ def _read_config_file(path: Path, model: str) -> dict:
 
 def _looks_like_path(model: str) -> bool:
     """A hub id is `name` or `org/name`; anything else that does not exist was meant as a path."""
-    return model.startswith(("/", ".", "~")) or model.endswith(".json") or model.count("/") > 1 or "\\" in model
+    return (model.startswith(("/", ".", "~")) or model.endswith(".json") or model.count("/") > 1
+            or "\\" in model)
 
 
 def load_model_config(model: str, local_files_only: bool = False) -> FoundConfig:

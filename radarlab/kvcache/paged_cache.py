@@ -37,9 +37,17 @@ from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.kvcache.kivi_store import KiviStore, default_tail_groups, tail_bytes
 from radarlab.kvcache.sink_store import DEFAULT_SINK_SEQUENCES, SinkPool, SinkStore
 from radarlab.quant.formats import KVFormat, kv_format
-from radarlab.quant.kv_codec import QuantizedPool, check_static_scale, meta_dtype, payload_width, scale_width, zero_dtype
+from radarlab.quant.kv_codec import (
+    QuantizedPool,
+    check_static_scale,
+    meta_dtype,
+    payload_width,
+    scale_width,
+    zero_dtype,
+)
 from radarlab.quant.rotation import rotation_matrix
 from radarlab.util import require_int, require_power_of_two
+
 
 class PagedKVCache:
     """K and V pools shaped [num_layers, num_blocks, block_size, num_kv_heads, head_dim]: storage only.
@@ -98,7 +106,8 @@ class PagedKVCache:
             self.v = torch.zeros_like(self.k)
             self.k_scales = self.v_scales = self.k_zeros = self.v_zeros = None
             if scale_width(fmt, head_dim):  # fp8_per_token_head, int4: scales beside the codes
-                self.k_scales = torch.ones(*lead, scale_width(fmt, head_dim), dtype=meta_dtype(fmt), device=device)
+                self.k_scales = torch.ones(*lead, scale_width(fmt, head_dim),
+                                           dtype=meta_dtype(fmt), device=device)
                 self.v_scales = torch.ones_like(self.k_scales)
                 if not fmt.symmetric and fmt.is_packed:
                     self.k_zeros = torch.zeros_like(self.k_scales, dtype=zero_dtype(fmt))
@@ -107,8 +116,8 @@ class PagedKVCache:
         if fmt.kind == "fp8" and fmt.scale_rule == "tensor":
             self.set_kv_scales(k_scale, v_scale)
         elif not (_is_one(k_scale) and _is_one(v_scale)):
-            raise ValueError(f"k_scale and v_scale are static fp8 scales; {fmt.name} takes none (got {k_scale!r}, "
-                             f"{v_scale!r})")
+            raise ValueError(f"k_scale and v_scale are static fp8 scales; {fmt.name} takes none (got "
+                             f"{k_scale!r}, {v_scale!r})")
         self.rotation = (rotation_matrix(fmt.rotation, head_dim).to(device) if fmt.rotation else None)
         self.sinks = (SinkStore(fmt.sink, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
                                 num_sinks) if fmt.sink else None)
@@ -131,7 +140,8 @@ class PagedKVCache:
     @classmethod
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
-                  v_scale=1.0, max_num_seqs: int | None = None, cpu_ops: bool | None = None) -> "PagedKVCache":
+                  v_scale=1.0, max_num_seqs: int | None = None,
+                  cpu_ops: bool | None = None) -> "PagedKVCache":
         """max_num_seqs sizes what a format keeps per sequence (KIVI's tails, the sinks); None: 64."""
         fmt = kv_format(kv_cache_dtype)
         tails = default_tail_groups(fmt, max_num_seqs) if max_num_seqs and fmt.kind == "kivi" else None
@@ -149,8 +159,9 @@ class PagedKVCache:
     def _layer_scales(self, name: str, scale) -> torch.Tensor:
         s = scale if isinstance(scale, torch.Tensor) else torch.full((self.num_layers,), float(scale))
         if tuple(s.shape) not in ((self.num_layers,), (self.num_layers, self.num_kv_heads)):
-            raise ValueError(f"{name} must be a number, [{self.num_layers}] (per layer) or [{self.num_layers}, "
-                             f"{self.num_kv_heads}] (per layer and head), got shape {tuple(s.shape)}")
+            raise ValueError(f"{name} must be a number, [{self.num_layers}] (per layer) or "
+                             f"[{self.num_layers}, {self.num_kv_heads}] (per layer and head), "
+                             f"got shape {tuple(s.shape)}")
         for layer in range(self.num_layers):
             check_static_scale(s[layer], self.num_kv_heads)  # finite and > 0, or ValueError
         return s.float().to(self.k.device)
@@ -245,7 +256,8 @@ class PagedKVCache:
             raise ValueError(f"layer {layer} is outside the cache (valid layers: 0..{self.num_layers - 1})")
 
     def __repr__(self) -> str:
-        return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
+        return (f"PagedKVCache(layers={self.num_layers}, blocks={self.num_blocks}, "
+                f"block_size={self.block_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.k.dtype}, "
                 f"kv_cache_dtype={self.kv_format.name!r}, backend={self.backend!r})")
 
@@ -254,7 +266,8 @@ def _is_one(scale) -> bool:
     return not isinstance(scale, torch.Tensor) and not isinstance(scale, bool) and scale == 1.0
 
 
-def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int, head_dim: int, block_size: int,
+def num_blocks_for_budget(budget_bytes: int, num_layers: int, num_kv_heads: int,
+                          head_dim: int, block_size: int,
                           kv_cache_dtype: str | KVFormat = "auto", dtype: torch.dtype = torch.float32,
                           max_num_seqs: int = DEFAULT_SINK_SEQUENCES) -> int:
     """How many blocks a byte budget holds in a format, every scale and zero point counted: the same

@@ -119,7 +119,8 @@ class Sequence:
         """Fix the block size the hashes are computed for; a second, different one is an error."""
         block_size = require_power_of_two("block_size", block_size)
         if self.block_size is not None and self.block_size != block_size:
-            raise ValueError(f"sequence {self.seq_id!r} is hashed in blocks of {self.block_size}, not {block_size}")
+            raise ValueError(f"sequence {self.seq_id!r} is hashed in blocks of "
+                             f"{self.block_size}, not {block_size}")
         self.block_size = block_size
         self._hash_full_blocks()
 
@@ -132,7 +133,8 @@ class Sequence:
         """Keep the first num_tokens tokens (rejected drafts are dropped); hashes of blocks that are no
         longer full go with them. The prompt always stays."""
         if not self.num_prompt_tokens <= num_tokens <= self.num_tokens:
-            raise ValueError(f"sequence {self.seq_id!r} can keep {self.num_prompt_tokens}..{self.num_tokens} tokens "
+            raise ValueError(f"sequence {self.seq_id!r} can keep "
+                             f"{self.num_prompt_tokens}..{self.num_tokens} tokens "
                              f"(the prompt stays), not {num_tokens}")
         del self._token_ids[num_tokens:]
         if self.block_size is not None:

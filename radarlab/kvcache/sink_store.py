@@ -28,8 +28,8 @@ class SinkStore:
     def __init__(self, sink: int, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, device, num_sinks: int | None = None) -> None:
         if not 0 < sink <= block_size:
-            raise ValueError(f"sink ({sink}) must be 1 .. block_size ({block_size}): the sink lives in a "
-                             f"sequence's first block")
+            raise ValueError(f"sink ({sink}) must be 1 .. block_size ({block_size}): the sink lives "
+                             f"in a sequence's first block")
         n = DEFAULT_SINK_SEQUENCES if num_sinks is None else num_sinks
         if n < 1:
             raise ValueError(f"num_sinks must be >= 1, got {n}")

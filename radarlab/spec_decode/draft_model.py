@@ -24,12 +24,12 @@ from typing import Hashable, Sequence as SequenceType
 import torch
 from torch import nn
 
-from radarlab.sample.sampler import probabilities
-from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.paged_runner import paged_step
+from radarlab.sample.sampler import probabilities
 from radarlab.spec_decode.proposer import Proposal
 from radarlab.util import require_int
 
@@ -60,13 +60,14 @@ class DraftModelProposer:
                  vocab_size: int | None = None, backend: str = "torch") -> None:
         cfg = model.config
         if vocab_size is not None and cfg.vocab_size != vocab_size:
-            raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens, the target's {vocab_size}: "
-                             f"a draft_model must share the target's tokenizer")
+            raise ValueError(f"the draft model's vocabulary has {cfg.vocab_size} tokens, the target's "
+                             f"{vocab_size}: a draft_model must share the target's tokenizer")
         self.model = model
         self.num_speculative_tokens = require_int("num_speculative_tokens", num_speculative_tokens, 0)
         self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching=False)
         param = next(model.parameters())
-        self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype, device=param.device,
+        self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype,
+                                            device=param.device,
                                             backend=backend)
         self.seqs: dict[Hashable, Sequence] = {}
         self.num_computed: dict[Hashable, int] = {}
@@ -141,7 +142,8 @@ class DraftModelProposer:
             self.num_computed[seq.seq_id] = 0
             return True
         try:
-            self.cache.copy_blocks(self.manager.allocate_slots(seq, seq.num_tokens - self.manager.num_slots(seq)))
+            self.cache.copy_blocks(self.manager.allocate_slots(seq,
+                                                               seq.num_tokens - self.manager.num_slots(seq)))
         except NoFreeBlocks:
             self.free(request.request_id)
             return False

@@ -1,12 +1,13 @@
 """The trained EAGLE-style draft head as the engine's proposer (vLLM's method "eagle").
 
 The head (radarlab.spec_decode.draft_head) reads the target's features, which only the target's forward
-pass has. So the engine runs paged_step with return_features=True and, after each step, hands the
-proposer the features of the positions the step computed (`observe`): a prefill's every position,
-or a verify step's last token and drafts, of which only the accepted ones are kept (those below the
-request's num_tokens - 1 at the next `propose`). The head then catches up on those positions (its K/V from the TRUE features, so rejected guesses never linger),
-then drafts up to k tokens reading its own outputs, all requests in one head forward per draft
-position (draft_head.draft_chain, the loop draft_eval measures).
+pass has. So the engine's model runner returns the features too (return_features=True) and, after
+each step, the engine hands the proposer the features of the positions the step computed
+(`observe`): a prefill's every position, or a verify step's last token and drafts, of which only the
+accepted ones are kept (those below the request's num_tokens - 1 at the next `propose`). The head
+then catches up on those positions (its K/V from the TRUE features, so rejected guesses never
+linger), then drafts up to k tokens reading its own outputs, all requests in one head forward per
+draft position (draft_head.draft_chain, the loop draft_eval measures).
 
 The head's one-layer K/V lives in a paged cache with its own KVCacheManager, kept in line with
 each request's tokens by DraftModelProposer's bookkeeping (rejected drafts roll back, accepted ones
@@ -24,8 +25,8 @@ from typing import Hashable, Sequence as SequenceType
 import torch
 
 from radarlab.attention.backends import build_metadata
-from radarlab.sample.sampler import probabilities
 from radarlab.models.paged_runner import paged_metadata
+from radarlab.sample.sampler import probabilities
 from radarlab.spec_decode.draft_head import DraftHead, draft_chain
 from radarlab.spec_decode.draft_model import DraftModelProposer
 from radarlab.spec_decode.proposer import Proposal

@@ -34,10 +34,10 @@ import torch
 from radarlab.attention.backends import write_kv
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import cpu_kind
-from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
-from radarlab.util import cdiv
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
+from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
+from radarlab.util import cdiv
 from radarlab.validate.compare import compare_greedy, max_logprob_diff, topk_logprobs
 from radarlab.validate.table import Row
 from radarlab.validate.vllm import DEFAULT_TIMEOUT, LOGPROB_TOL, run_vllm
@@ -134,7 +134,8 @@ def attention_case(mode: str, block_size: int, dtype: torch.dtype = torch.float3
     }
 
 
-def attention_cases(block_sizes=OP_BLOCK_SIZES, dtypes=OP_DTYPES, modes=tuple(MODES), seed: int = 0) -> list[dict]:
+def attention_cases(block_sizes=OP_BLOCK_SIZES, dtypes=OP_DTYPES, modes=tuple(MODES),
+                    seed: int = 0) -> list[dict]:
     return [attention_case(m, bs, dt, seed) for dt in dtypes for bs in block_sizes for m in modes]
 
 
@@ -144,7 +145,8 @@ def isa_dtypes(isa: str, dtypes=OP_DTYPES) -> list[torch.dtype]:
     return [dt for dt in dtypes if takes is None or str(dt).removeprefix("torch.") in takes]
 
 
-def isa_cases(isas: list[str] | None = None, dtypes=OP_DTYPES, modes=ISA_MODES, block_size: int = ISA_BLOCK_SIZE,
+def isa_cases(isas: list[str] | None = None, dtypes=OP_DTYPES, modes=ISA_MODES,
+              block_size: int = ISA_BLOCK_SIZE,
               seed: int = 0) -> list[dict]:
     """One case per (ISA, dtype it takes, mode), each asking vLLM for that kernel by name. isas: default
     every one this CPU can run (attention_isas_supported())."""
@@ -158,10 +160,12 @@ def our_attention(case: dict, backend: str = "torch") -> torch.Tensor:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     q, key = case["query"], case["key"]
-    cache = PagedKVCache(1, case["num_blocks"], key.shape[1], key.shape[2], case["block_size"], dtype=key.dtype,
+    cache = PagedKVCache(1, case["num_blocks"], key.shape[1], key.shape[2],
+                         case["block_size"], dtype=key.dtype,
                          backend=backend)
     write_kv(cache, 0, key, case["value"], case["slot_mapping"])
-    args = (q, cache.k[0], cache.v[0], case["block_table"], case["seq_lens"], case["query_start_loc"], case["scale"])
+    args = (q, cache.k[0], cache.v[0], case["block_table"], case["seq_lens"],
+            case["query_start_loc"], case["scale"])
     if backend == "triton":
         from radarlab.attention.triton_paged import triton_paged_attention
 
@@ -233,7 +237,8 @@ def prefix_workload(tokenizer, block_size: int = ENGINE_BLOCK_SIZE) -> list[list
     system = tokenizer(PREFIX_SYSTEM_PROMPT)["input_ids"]
     aligned = ids[0][:len(system) // block_size * block_size]
     if not aligned:
-        raise ValueError(f"the system prompt ({len(system)} tokens) is shorter than one block of {block_size}")
+        raise ValueError(f"the system prompt ({len(system)} tokens) is shorter than one block of "
+                         f"{block_size}")
     unrelated = tokenizer("The capital of France is")["input_ids"]
     return [[ids[0]], [*ids[1:], ids[0], aligned, unrelated]]
 
@@ -274,14 +279,16 @@ def our_prefix_run(model, batches: list[list[list[int]]], max_new_tokens: int,
     num_blocks = blocks_needed(prompts, max_new_tokens, block_size)
     manager = _RecordingBlockSpaceManager(num_blocks, block_size, enable_prefix_caching=True)
     param = next(model.parameters())
-    cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=param.dtype, device=param.device,
+    cache = PagedKVCache.for_model(model.config, num_blocks, block_size, dtype=param.dtype,
+                                   device=param.device,
                                    backend=backend)
     outputs, queries, hits, seq_ids = [], [], [], []
     stats = manager.prefix_cache_stats
     for b, batch in enumerate(batches):
         ids = [(b, i) for i in range(len(batch))]
         before = (stats.queries, stats.hits)
-        outputs += paged_greedy_generate(model, batch, max_new_tokens, manager=manager, cache=cache, seq_ids=ids)
+        outputs += paged_greedy_generate(model, batch, max_new_tokens, manager=manager,
+                                         cache=cache, seq_ids=ids)
         queries.append(stats.queries - before[0])
         hits.append(stats.hits - before[1])
         seq_ids += ids
@@ -338,7 +345,8 @@ def run_paged_session(prompts: list[list[int]], prefix_batches: list[list[list[i
         response = run_vllm({"kind": "session", "requests": [op_request, generate]}, timeout=timeout)
         vllm_outputs = torch.load(outputs_path, weights_only=True)
     op_response, gen_response = response["responses"]
-    return PagedSession(cases, vllm_outputs, [c["isa"] for c in op_response["cases"]], gen_response, len(prompts),
+    return PagedSession(cases, vllm_outputs, [c["isa"] for c in op_response["cases"]],
+                        gen_response, len(prompts),
                         f"vLLM {response['vllm_version']} ({response['device']})", op_response["cpu"],
                         op_response["extension"])
 
@@ -397,7 +405,8 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
     from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate
 
     cases = attention_cases() + isa_cases()
-    session = run_paged_session(prompts, prefix_batches, cases, max_new_tokens, prefix_new_tokens, k, block_size,
+    session = run_paged_session(prompts, prefix_batches, cases, max_new_tokens,
+                                prefix_new_tokens, k, block_size,
                                 timeout)
     ref = session.vllm
     out = op_rows(compare_attention(cases, session.vllm_outputs, session.isas), f"{ref} {session.extension}",
@@ -409,8 +418,8 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
         results, dlp = compare_greedy_outputs(model, prompts, ours, theirs[:session.num_prompts], k)
         matched = sorted(r.matched for r in results)
         return Row(f"{name}, {len(prompts)} prompts x {max_new_tokens}", f"{ref} block_size={block_size}",
-                   f"{sum(r.identical for r in results)}/{len(prompts)} identical, matched {matched[0]}-{matched[-1]}, "
-                   f"max |dlogprob| {dlp:.1e}",
+                   f"{sum(r.identical for r in results)}/{len(prompts)} identical, matched "
+                   f"{matched[0]}-{matched[-1]}, max |dlogprob| {dlp:.1e}",
                    f"vLLM rule (top-{k}); |dlogprob| < {LOGPROB_TOL:g}",
                    all(r.passed for r in results) and dlp < LOGPROB_TOL)
 
@@ -421,14 +430,16 @@ def rows(model, prompts: list[list[int]], prefix_batches: list[list[list[int]]],
     engine = Engine(model, blocks_needed(prompts, max_new_tokens, block_size), block_size, max_num_seqs=3,
                     max_num_batched_tokens=64)
     served = engine.generate(prompts, SamplingParams(max_tokens=max_new_tokens))
-    out.append(greedy_row("engine greedy fp32, 3 seats, 64-token budget", [o.output_token_ids for o in served]))
+    out.append(greedy_row("engine greedy fp32, 3 seats, 64-token budget",
+                          [o.output_token_ids for o in served]))
 
     run = our_prefix_run(model, prefix_batches, prefix_new_tokens, block_size)
     v_queries, v_hits = vllm_prefix_counts(session.generate, slice(1, None))
     v_cached = [o["num_cached_tokens"] for o in theirs[session.num_prompts:]]
     ours_rate = sum(run.hits) / sum(run.queries)
     theirs_rate = sum(v_hits) / max(sum(v_queries), 1)
-    out.append(Row(f"prefix cache hits, shared prefix, 2 batches, block {block_size}", f"{ref} prefix caching",
+    out.append(Row(f"prefix cache hits, shared prefix, 2 batches, block {block_size}",
+                   f"{ref} prefix caching",
                    f"hit rate ours {sum(run.hits)}/{sum(run.queries)} = {ours_rate:.3f}, vLLM {sum(v_hits)}/"
                    f"{sum(v_queries)} = {theirs_rate:.3f}; per request {run.num_cached_tokens}",
                    "queries, hits, per-request cached tokens equal",

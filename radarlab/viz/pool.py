@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, NamedTuple, Sequence
 
-from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.sequence import Sequence as TokenSequence
 
 SeqId = Hashable
@@ -81,7 +81,8 @@ def apply_op(state: PoolState, op: PoolOp) -> OpResult:
             table = manager.get_block_table(seq)
             text = f"allocate {seq}: {_a_or_an(len(prompt))} {len(prompt)}-token prompt gets blocks {table}"
             if hit:
-                text += f"; the first {hit} tokens are a prefix-cache hit (blocks {table[:hit // manager.block_size]} shared)"
+                shared = table[:hit // manager.block_size]
+                text += f"; the first {hit} tokens are a prefix-cache hit (blocks {shared} shared)"
             return OpResult(text, num_computed_tokens=hit)
         if name == "append":
             new = list(arg)
@@ -92,7 +93,8 @@ def apply_op(state: PoolState, op: PoolOp) -> OpResult:
             sequence.append_token_ids(new)
             copies = manager.allocate_slots(sequence, len(new))
             table = manager.get_block_table(seq)
-            text = f"append {len(new)} token{'s' * (len(new) != 1)} to {seq}: {before} -> {before + len(new)} tokens, blocks {table}"
+            text = (f"append {len(new)} token{'s' * (len(new) != 1)} to {seq}: {before} -> "
+                    f"{before + len(new)} tokens, blocks {table}")
             for src, dst in copies:
                 text += f"; block {src} was shared, so {seq} writes into a copy, block {dst} (copy-on-write)"
             return OpResult(text, copies=copies)
@@ -100,7 +102,8 @@ def apply_op(state: PoolState, op: PoolOp) -> OpResult:
             child = TokenSequence(arg, state.seqs[seq].all_token_ids[:], manager.block_size)
             manager.fork(state.seqs[seq], child)
             state.seqs[arg] = child
-            return OpResult(f"fork {seq} -> {arg}: {arg} shares all of {seq}'s blocks {manager.get_block_table(arg)}, "
+            return OpResult(f"fork {seq} -> {arg}: {arg} shares all of {seq}'s blocks "
+                            f"{manager.get_block_table(arg)}, "
                             f"nothing is copied (every ref count +1)")
         table = manager.get_block_table(seq)
         manager.free(state.seqs.pop(seq))
@@ -158,7 +161,8 @@ class PoolSnapshot:
         return sum(b.ref_count > 0 for b in self.blocks)
 
 
-def pool_snapshot(state: PoolState, copies: Sequence[tuple[int, int]] = (), caption: str = "") -> PoolSnapshot:
+def pool_snapshot(state: PoolState, copies: Sequence[tuple[int, int]] = (),
+                  caption: str = "") -> PoolSnapshot:
     """The pool's state as plain data (nothing in it refers back to the manager or the sequences)."""
     manager = state.manager
     alloc = manager.block_pool
@@ -187,7 +191,8 @@ def pool_snapshot(state: PoolState, copies: Sequence[tuple[int, int]] = (), capt
                         blocks, list(alloc.free_block_ids), evictable, list(copies), caption)
 
 
-PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive")
+PALETTE = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
+           "tab:pink", "tab:olive")
 SHARED_COLOR = "0.45"
 CACHED_COLOR = "0.85"
 
@@ -300,7 +305,8 @@ def draw_pool(snapshot: PoolSnapshot, ax, colors: dict | None = None, show_token
 
     # Copy-on-write arrows under the pool.
     for src, dst in snapshot.copies:
-        ax.add_patch(FancyArrowPatch((src * width + bs / 2, pool_y - 1.9), (dst * width + bs / 2, pool_y - 1.9),
+        ax.add_patch(FancyArrowPatch((src * width + bs / 2, pool_y - 1.9),
+                                     (dst * width + bs / 2, pool_y - 1.9),
                                      connectionstyle="arc3,rad=0.35", arrowstyle="-|>", mutation_scale=12,
                                      color="tab:red", lw=1.5))
         ax.text((src + dst) / 2 * width + bs / 2, pool_y - 3.4, f"copy {src} -> {dst}", ha="center",

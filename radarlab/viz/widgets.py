@@ -11,7 +11,6 @@ from radarlab.kvcache.memory import KV_DTYPES, KVModelShape, kv_report, stored_s
 from radarlab.kvcache.model_config import stored_name
 from radarlab.util import require_int
 
-
 TOKEN_STEPS = tuple(2**k for k in range(18))  # 1 .. 131,072: the tokens slider moves in powers of two
 CUSTOM = ""  # the model dropdown's value when the sliders match no chosen model
 
@@ -39,14 +38,17 @@ class KVCalculator(widgets.VBox):
         self.controls = {
             "layers": widgets.IntSlider(value=layers, min=1, max=max(128, layers), description="layers",
                                         style=style, layout=layout),
-            "kv_heads": widgets.IntSlider(value=kv_heads, min=1, max=max(64, kv_heads), description="KV heads",
+            "kv_heads": widgets.IntSlider(value=kv_heads, min=1, max=max(64, kv_heads),
+                                          description="KV heads",
                                           style=style, layout=layout),
             "head_dim": widgets.Dropdown(options=sorted({64, 80, 96, 128, 256, head_dim}
                                                         | {s.head_dim for s in self.shapes.values()}),
                                          value=head_dim, description="head dim", style=style),
-            "tokens": widgets.SelectionSlider(options=token_options(tokens), value=tokens, description="tokens",
+            "tokens": widgets.SelectionSlider(options=token_options(tokens), value=tokens,
+                                              description="tokens",
                                               style=style, layout=layout),
-            "kv_dtype": widgets.Dropdown(options=list(KV_DTYPES), value=kv_dtype, description="KV dtype", style=style),
+            "kv_dtype": widgets.Dropdown(options=list(KV_DTYPES), value=kv_dtype,
+                                         description="KV dtype", style=style),
             "group_size": widgets.Dropdown(options=sorted({16, 32, 64, 128, group_size}), value=group_size,
                                            description="group size", style=style),
             "gpu_mem_gb": widgets.BoundedFloatText(value=gpu_mem_gb, min=0.0, max=10000.0, step=1.0,
@@ -126,7 +128,11 @@ class BlockPoolStepper(widgets.VBox):
     def __init__(self, script=None, num_blocks: int | None = None, block_size: int | None = None,
                  enable_prefix_caching: bool = True) -> None:
         from radarlab.viz.pool import (
-            DEFAULT_POOL, DEFAULT_POOL_SCRIPT, max_table_rows, pool_image_size, sequence_colors,
+            DEFAULT_POOL,
+            DEFAULT_POOL_SCRIPT,
+            max_table_rows,
+            pool_image_size,
+            sequence_colors,
         )
 
         self.script = tuple(DEFAULT_POOL_SCRIPT if script is None else script)
@@ -165,7 +171,8 @@ class BlockPoolStepper(widgets.VBox):
         else:
             text = result.description
         self.position = position
-        # The caption goes in the HTML above the picture only: drawn as the figure's title too, it showed twice.
+        # The caption goes in the HTML above the picture only: drawn as the figure's title too, it showed
+        # twice.
         self.snapshot = pool_snapshot(self.state, result.copies if result else ())
         self.caption.value = f"<b>step {position}/{len(self.script)}</b>: {html.escape(text)}"
         self.back_button.disabled = position == 0
@@ -210,7 +217,8 @@ class FP8CodeWalker(widgets.VBox):
         from radarlab.viz.fp8_codes import FIGURE_DPI, FIGURE_SIZE, FORMAT_NAMES, code_info
 
         code_info(code, fmt)  # ValueError for a bad code or format, before any control exists
-        self.format = widgets.ToggleButtons(options=[(name, key) for key, name in FORMAT_NAMES.items()], value=fmt,
+        self.format = widgets.ToggleButtons(options=[(name, key) for key, name in FORMAT_NAMES.items()],
+                                            value=fmt,
                                             description="format")
         self.code = widgets.IntSlider(value=code, min=0, max=255, description="code",
                                       layout=widgets.Layout(width="520px"))
