@@ -6,7 +6,7 @@
 # 1. The kernel and paged-cache tests, compiled (TRITON_INTERPRET unset, so radarlab leaves Triton
 #    in its compiled mode): the same tests that run under the interpreter on CPU, now on the GPU,
 #    quantized kernels included (fp8, int4, int8 zero points, KIVI with its tails and settled-prefix
-#    rule, sinks: tests/test_quant_triton.py against the torch backend).
+#    rule, sinks: tests/attention/test_quant_triton.py against the torch backend).
 # 2. `python -m radarlab.lab.kernel_bench` (check_kernels): the store-KV, decode, split-KV decode
 #    and prefill kernels against their torch counterparts at course-model heads (9 query heads over 3
 #    KV heads, head_dim 64, block size 16), in bf16 and fp32, then timed with triton.testing.do_bench
@@ -31,8 +31,8 @@ unset TRITON_INTERPRET
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "== 1. paged KV tests, compiled =="
     # shellcheck disable=SC2086
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_paged_cache.py \
-        tests/test_quant_triton.py ${PYTEST_ARGS:-}
+    "$PY" -m pytest -q -p no:cacheprovider tests/attention/test_paged_attention.py tests/kvcache/test_paged_cache.py \
+        tests/attention/test_quant_triton.py ${PYTEST_ARGS:-}
 fi
 
 echo "== 2. Triton kernels vs their torch references, timed =="

@@ -25,8 +25,9 @@ nearest even or toward zero; INT4 by group amax (or min and max), the scale stor
 packed a byte; KIVI keys the same way over each channel of a group. Which KIVI groups a step quantizes
 (and the tails) is decided on the host once per step (KiviStore.begin_step); a sink's 16-bit copy is a
 plain row copy (SinkStore.write). Everything is fp32 inside. The torch references are reshape_and_cache
-and KiviStore's torch write, and paged_attention_torch over the same pools; tests/test_quant_triton.py
-runs both under the interpreter. Head dims must be powers of two here (no padded lanes inside a group).
+and KiviStore's torch write, and paged_attention_torch over the same pools;
+tests/attention/test_quant_triton.py runs both under the interpreter. Head dims must be powers of two
+here (no padded lanes inside a group).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // A float vector for the C++ operators: AVX-512 (16 lanes) or AVX2 (8 lanes), whichever the compiler
 // was told the CPU has (-march=native), or plain loops over 8 lanes on any other CPU. One source is
-// right on each; tests build all three (tests/test_cpu_decode.py, tests/test_cpu_ops.py).
+// right on each; tests build all three (tests/attention/test_cpu_decode.py, tests/test_cpu_ops.py).
 //
 // Loads widen fp32, bf16 and fp16 to fp32; stores round to the destination dtype to nearest even, as
 // torch rounds every op's result, so a fused operator can give the bits of torch's unfused ops.

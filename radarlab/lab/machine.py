@@ -10,7 +10,7 @@ The CPU's flags and kind are radarlab.device's (the C++ operators' build is chos
 
 radarlab/validate/vllm_worker.py keeps its own few-line copy of the flag reader and of
 ATTENTION_ISAS, because it runs in vLLM's environment, where radarlab is not installed;
-tests/test_machine.py holds the two copies to the same answers.
+tests/lab/test_machine.py holds the two copies to the same answers.
 """
 from __future__ import annotations
 

@@ -146,7 +146,7 @@ CPU_KV_CACHE_BYTES = 1 << 30
 
 # vLLM's CPU attention kernels and what each needs (the table in the docstring). radarlab keeps the
 # same rules in radarlab/lab/machine.py, but this script runs in vLLM's environment and cannot
-# import radarlab; tests/test_machine.py checks that the two copies agree.
+# import radarlab; tests/lab/test_machine.py checks that the two copies agree.
 _ALL_DTYPES = ("float32", "bfloat16", "float16")
 ATTENTION_ISAS = {
     "vec": {"arch": None, "x86_flags": ("avx2",), "dtypes": _ALL_DTYPES, "block_multiple": 32,

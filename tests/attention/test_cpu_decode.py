@@ -152,7 +152,7 @@ def test_bad_inputs_raise_and_name_the_problem():
 _OTHER_ISA = textwrap.dedent("""
     import json, sys, torch
     import torch.nn.functional as F
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = {tests!r}
     from radarlab.cpu_ops import load_cpu_ops
     from radarlab.attention.cpu_decode import paged_decode_cpu
     from radarlab.models.llama import RMSNorm, apply_rope
@@ -200,7 +200,8 @@ def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch
     monkeypatch.setenv("RADARLAB_CACHE", str(tmp_path))  # a fresh build, not this machine's cached one
     from pathlib import Path
 
-    script = _OTHER_ISA.format(tests=str(Path(__file__).parent))
+    here = Path(__file__).resolve().parent  # test_paged_attention is here, test_cpu_ops one folder up
+    script = _OTHER_ISA.format(tests=[str(here), str(here.parent)])
     env = {**os.environ, "RADARLAB_CPU_MARCH": march}
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
                           env=env)

@@ -36,7 +36,7 @@ from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama, LlamaConfig
 
 VOCAB = 128
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
