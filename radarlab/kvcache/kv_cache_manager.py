@@ -40,6 +40,7 @@ from typing import Hashable, Sequence as SequenceType
 import torch
 
 from radarlab.kvcache.block_pool import BlockPool, NoFreeBlocks, PrefixCacheStats
+from radarlab.kvcache.block_table import block_table_tensor, compute_slot_mapping
 from radarlab.kvcache.sequence import Sequence
 from radarlab.util import cdiv, require_int
 
@@ -63,11 +64,15 @@ class KVCacheBlocks:
                              "tokens")
         return self.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
 
-    def slot_mapping(self, start_pos: int, num_tokens: int) -> list[int]:
-        """Slots of positions start_pos .. start_pos+num_tokens-1."""
+    def check_positions(self, start_pos: int, num_tokens: int) -> None:
+        """ValueError unless positions start_pos .. start_pos+num_tokens-1 all have slots."""
         if num_tokens < 0 or start_pos < 0 or start_pos + num_tokens > self.num_slots:
             raise ValueError(f"positions {start_pos}..{start_pos + num_tokens - 1} are outside the "
                              f"{self.num_slots} positions that have slots")
+
+    def slot_mapping(self, start_pos: int, num_tokens: int) -> list[int]:
+        """Slots of positions start_pos .. start_pos+num_tokens-1."""
+        self.check_positions(start_pos, num_tokens)
         return [self.slot(p) for p in range(start_pos, start_pos + num_tokens)]
 
     def copy(self) -> "KVCacheBlocks":
@@ -285,21 +290,15 @@ class KVCacheManager:
 
     def block_table_tensor(self, seqs: SequenceType, max_blocks: int | None = None, pad: int = -1,
                            device: str | torch.device | None = None) -> torch.Tensor:
-        """int32 [B, max_blocks] block tables of the sequences (or ids), row b padded with `pad`.
-
-        The default pad, -1, is never a block id, so a stray read is easy to spot. Kernels must stop
-        at cdiv(seq_len, block_size) and never read a pad entry; note torch indexing would wrap -1 to
-        the last block silently. vLLM pads with 0 instead; pass pad=0 for that.
-        """
+        """int32 [B, max_blocks] block tables of the sequences (or ids), row b padded with `pad` (-1 by
+        default, never a block id: radarlab.kvcache.block_table.block_table_tensor says why)."""
         tables = [self._table(s).block_ids for s in seqs]
         width = max((len(t) for t in tables), default=0) if max_blocks is None else max_blocks
-        out = torch.full((len(tables), width), pad, dtype=torch.int32)
-        for row, block_ids in enumerate(tables):
+        for seq, block_ids in zip(seqs, tables):
             if len(block_ids) > width:
-                raise ValueError(f"sequence {_seq_id(seqs[row])!r} has {len(block_ids)} "
+                raise ValueError(f"sequence {_seq_id(seq)!r} has {len(block_ids)} "
                                  f"blocks; max_blocks is {width}")
-            out[row, :len(block_ids)] = torch.tensor(block_ids, dtype=torch.int32)
-        return out.to(device) if device is not None else out
+        return block_table_tensor(tables, width, pad, device)
 
     def slot_mapping_tensor(self, seqs: SequenceType, start_positions: SequenceType[int],
                             query_lens: SequenceType[int], pad_to: int | None = None,
@@ -309,14 +308,21 @@ class KVCacheManager:
         if not len(seqs) == len(start_positions) == len(query_lens):
             raise ValueError(f"seqs, start_positions and query_lens differ in length: "
                              f"{len(seqs)}, {len(start_positions)}, {len(query_lens)}")
-        slots = [slot for s, start, n in zip(seqs, start_positions, query_lens)
-                 for slot in self.slot_mapping(s, start, n)]
+        tables = [self._table(s) for s in seqs]
+        for table, start, n in zip(tables, start_positions, query_lens):
+            table.check_positions(start, n)
+        num_tokens = sum(query_lens)
+        if pad_to is not None and pad_to < num_tokens:
+            raise ValueError(f"pad_to={pad_to} is smaller than the {num_tokens} tokens in the batch")
+        lens = torch.tensor(list(query_lens), dtype=torch.long)
+        req = torch.repeat_interleave(torch.arange(len(seqs)), lens)
+        starts = torch.tensor(list(start_positions), dtype=torch.long)
+        positions = torch.arange(num_tokens) - torch.repeat_interleave(lens.cumsum(0) - lens - starts, lens)
+        slots = compute_slot_mapping(block_table_tensor([t.block_ids for t in tables]), positions,
+                                     self.block_size, req)
         if pad_to is not None:
-            if pad_to < len(slots):
-                raise ValueError(f"pad_to={pad_to} is smaller than the {len(slots)} tokens in the batch")
-            slots += [-1] * (pad_to - len(slots))
-        out = torch.tensor(slots, dtype=torch.int64)
-        return out.to(device) if device is not None else out
+            slots = torch.cat([slots, slots.new_full((pad_to - num_tokens,), -1)])
+        return slots if device is None else slots.to(device)
 
     # --- helpers --------------------------------------------------------------------------
     def _table(self, seq) -> KVCacheBlocks:

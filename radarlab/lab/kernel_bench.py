@@ -23,6 +23,7 @@ import torch
 
 from radarlab.attention.reference import attention_reference
 from radarlab.attention.torch_paged import paged_decode_torch
+from radarlab.kvcache.block_table import compute_slot_mapping
 from radarlab.lab.measure import gbps, time_ms
 from radarlab.util import cdiv, require_int, require_power_of_two
 
@@ -108,7 +109,7 @@ def random_paged_batch(seq_lens: Sequence[int], query_lens: Sequence[int] | None
         first += per_seq[b]
         tables[b, :per_seq[b]] = blocks.to(torch.int32)
         pos = torch.arange(seq_len, device=device)
-        slots = blocks[pos // block_size] * block_size + pos % block_size
+        slots = compute_slot_mapping(blocks[None], pos[None], block_size)[0]
         k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
         v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen, device=device).to(dtype)
         k_cache.view(-1, num_kv_heads, head_dim)[slots] = k

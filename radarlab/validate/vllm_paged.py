@@ -34,6 +34,7 @@ import torch
 from radarlab.attention.backends import write_kv
 from radarlab.attention.torch_paged import paged_attention_torch
 from radarlab.device import cpu_kind
+from radarlab.kvcache.block_table import block_table_tensor, compute_slot_mapping
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported
@@ -106,12 +107,11 @@ def attention_case(mode: str, block_size: int, dtype: torch.dtype = torch.float3
     for n in needed:
         tables.append(order[start:start + n])
         start += n
-    block_table = torch.zeros(len(seq_lens), max(needed), dtype=torch.int32)
-    for b, blocks in enumerate(tables):
-        block_table[b, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
-    slots = [tables[b][p // block_size] * block_size + p % block_size
-             for b, n in enumerate(seq_lens) for p in range(n)]
-    slots = torch.tensor(slots + [-1, -1], dtype=torch.int64)
+    block_table = block_table_tensor(tables, pad=0)  # vLLM pads with 0
+    req = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+    positions = torch.cat([torch.arange(n) for n in seq_lens])
+    slots = compute_slot_mapping(block_table, positions, block_size, req)
+    slots = torch.cat([slots, torch.tensor([-1, -1])])
     slots = slots[torch.randperm(len(slots), generator=gen)]  # write order must not matter
     num_tokens = sum(query_lens)
     shape_kv = (len(slots), NUM_KV_HEADS, HEAD_DIM)
