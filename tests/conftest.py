@@ -48,6 +48,22 @@ def tiny():
 
 
 @pytest.fixture(scope="session")
+def tiny_sharp():
+    """A 2-layer random Llama (61-token vocabulary, GQA) with large weights: its logits are far apart,
+    so greedy tokens depend on every K/V and a wrong cache read changes them."""
+    from radarlab.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    model = Llama(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="session")
 def prompts(tokenizer):
     """Eight fixed prompts as token ids."""
     from radarlab.validate.prompts import VALIDATION_PROMPTS

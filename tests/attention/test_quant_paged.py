@@ -184,14 +184,5 @@ def test_engine_sizes_its_pool_from_a_byte_budget(tiny_model):
 
 
 @pytest.fixture(scope="module")
-def tiny_model():
-    from radarlab.models.llama import Llama, LlamaConfig
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
-    model = Llama(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)
-    return model
+def tiny_model(tiny_sharp):
+    return tiny_sharp

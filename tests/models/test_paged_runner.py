@@ -14,7 +14,6 @@ from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import greedy_generate
-from radarlab.models.llama import Llama, LlamaConfig
 from radarlab.models.paged_runner import blocks_needed, paged_greedy_generate, paged_metadata, paged_step
 
 PROMPTS = [list(range(1, 10)), list(range(1, 9)) + [40, 41], [5, 6], [7] * 8]  # shared prefix; short; aligned
@@ -22,15 +21,9 @@ NEW = 7
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, head_dim=8)
-    model = Llama(cfg).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.5)  # large weights: logits far apart, so greedy tokens depend on every K/V
-    return model
+def tiny(tiny_sharp):
+    """Large weights: logits far apart, so greedy tokens depend on every K/V (conftest)."""
+    return tiny_sharp
 
 
 @pytest.fixture(scope="module")
