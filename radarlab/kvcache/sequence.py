@@ -106,10 +106,6 @@ class Sequence:
         return len(self._token_ids) - self.num_prompt_tokens
 
     @property
-    def last_token_id(self) -> int:
-        return self._token_ids[-1]
-
-    @property
     def block_hashes(self) -> tuple[BlockHash, ...]:
         """Chain hashes of the full blocks, block 0 first (empty until a block size is bound)."""
         return tuple(self._block_hashes)
