@@ -19,6 +19,7 @@ import functools
 import os
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -89,6 +90,7 @@ def _build():
     name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")
     build = cache_dir() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(build / "lock")
     _ensure_ninja_on_path()
     # torch builds with $CXX, else c++: where neither exists, it is given the compiler found
     lend = os.environ.get("CXX") is None and shutil.which("c++") is None
@@ -105,6 +107,25 @@ def _build():
         if lend:
             del os.environ["CXX"]
     return torch.ops.radarlab, None
+
+
+# A build takes seconds to a minute or two; a lock older than this was left by a build that was killed.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(lock: Path, now: float | None = None, stale_after_s: float = STALE_LOCK_S) -> bool:
+    """torch's build lock (a file) outlives a build that was killed (Ctrl-C, a killed kernel), and
+    every later build then waits on it forever. Remove one older than any build; True if it did."""
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age < stale_after_s:
+        return False
+    warnings.warn(f"removing {lock}: a C++ operator build left it {age / 60:.0f} minutes ago and was "
+                  "stopped before it finished", stacklevel=2)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _ensure_ninja_on_path() -> None:

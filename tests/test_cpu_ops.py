@@ -228,3 +228,18 @@ def test_a_failed_build_is_a_failure_where_a_compiler_exists(tmp_path, monkeypat
     monkeypatch.setattr(cpu_ops_build, "load_cpu_ops", broken)
     with pytest.raises(pytest.fail.Exception, match="must build: .*expected ';'"):
         cpu_ops_build.built_or_fail()
+
+
+def test_a_lock_left_by_a_killed_build_is_cleared_and_a_fresh_one_kept(tmp_path):
+    """torch's build lock outlives a killed build, and every later load would wait on it forever."""
+    import os
+
+    lock = tmp_path / "lock"
+    assert cpu_ops_module._clear_stale_lock(lock) is False  # no lock: nothing to do
+    lock.touch()
+    assert cpu_ops_module._clear_stale_lock(lock) is False and lock.exists()  # a build may be running
+    old = lock.stat().st_mtime - cpu_ops_module.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    with pytest.warns(UserWarning, match="stopped before it finished"):
+        assert cpu_ops_module._clear_stale_lock(lock) is True
+    assert not lock.exists()
