@@ -482,9 +482,6 @@ def header(key: str = "rate") -> str:
     return f"{KEY_LABELS[key]:>6} {COLUMNS}"
 
 
-HEADER = header()
-
-
 def format_row(r: dict, key: str = "rate") -> str:
     """One row: latencies, throughput, time-weighted concurrency in the system (L sys) and in the
     batch (L run), lambda x W and the Little's law ratio."""
