@@ -12,18 +12,6 @@ from radarlab.checks import (
 )
 from radarlab.lab.roofline import decode_step
 
-
-def _stub(*args):
-    raise NotImplementedError()
-
-
-def _fails(capsys, checker, fn, name, words):
-    assert checker(fn) is False
-    out = capsys.readouterr().out
-    assert out.startswith(f"FAIL {name}: "), out
-    assert words in out, out
-
-
 # --- acceptance_counts ---------------------------------------------------------------------------
 
 def counts_by_hand(verify_log, k):
@@ -51,10 +39,9 @@ def _drafting_steps_only(verify_log, k):
     return per_pos, (sum(drafting) + len(drafting)) / len(drafting) if drafting else float("nan")
 
 
-def test_acceptance_reference_and_hand_count_pass(capsys):
-    assert check_acceptance_counts(reference_acceptance_counts) is True
-    assert check_acceptance_counts(counts_by_hand) is True
-    assert capsys.readouterr().out == "PASS acceptance_counts\nPASS acceptance_counts\n"
+@pytest.mark.parametrize("fn", [reference_acceptance_counts, counts_by_hand])
+def test_acceptance_reference_and_hand_count_pass(verdict, fn):
+    verdict(check_acceptance_counts, fn)
 
 
 def test_acceptance_reference_values():
@@ -64,13 +51,12 @@ def test_acceptance_reference_values():
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_stub, "not written yet"),
     (_exactly, "exactly i + 1"),
     (_no_bonus, "the target's own token"),
     (_drafting_steps_only, "steps without drafts"),
 ])
-def test_acceptance_mistakes_are_described(capsys, fn, words):
-    _fails(capsys, check_acceptance_counts, fn, "acceptance_counts", words)
+def test_acceptance_mistakes_are_described(verdict, fn, words):
+    verdict(check_acceptance_counts, fn, words)
 
 
 # --- first_costly_batch --------------------------------------------------------------------------
@@ -97,16 +83,14 @@ def _decode_ridge(dims, k, context, peak, bw, dtype, tolerance):  # where plain 
                                                           dtype).intensity >= peak / bw), None)
 
 
-def test_costly_reference_and_formula_pass(capsys):
-    assert check_first_costly_batch(reference_first_costly_batch) is True
-    assert check_first_costly_batch(costly_by_formula) is True
-    assert capsys.readouterr().out == "PASS first_costly_batch\nPASS first_costly_batch\n"
+@pytest.mark.parametrize("fn", [reference_first_costly_batch, costly_by_formula])
+def test_costly_reference_and_formula_pass(verdict, fn):
+    verdict(check_first_costly_batch, fn)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_stub, "not written yet"),
     (_kv_per_token, "expected 3"),
     (_decode_ridge, "plain decode step turns compute-bound"),
 ])
-def test_costly_mistakes_are_described(capsys, fn, words):
-    _fails(capsys, check_first_costly_batch, fn, "first_costly_batch", words)
+def test_costly_mistakes_are_described(verdict, fn, words):
+    verdict(check_first_costly_batch, fn, words)

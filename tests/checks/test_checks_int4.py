@@ -13,18 +13,6 @@ from radarlab.checks import (
     reference_quantize_group,
 )
 
-
-def _stub(*args):
-    raise NotImplementedError()
-
-
-def _fails(capsys, checker, fn, name, words):
-    assert checker(fn) is False
-    out = capsys.readouterr().out
-    assert out.startswith(f"FAIL {name}: "), out
-    assert words in out, out
-
-
 # --- pack_nibbles --------------------------------------------------------------------------------
 
 def pack_reference(codes):
@@ -47,20 +35,18 @@ def _flattens(codes):  # packs the whole tensor as one row
     return pack_reference(codes.reshape(-1))
 
 
-def test_pack_reference_passes(capsys):
-    assert check_pack_nibbles(pack_reference) is True
-    assert capsys.readouterr().out == "PASS pack_nibbles\n"
+def test_pack_reference_passes(verdict):
+    verdict(check_pack_nibbles, pack_reference)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_stub, "not written yet"),
     (_high_first, "low nibble"),
     (_added, "expected 33"),
     (_int64, "dtype torch.int64"),
     (_flattens, "shape (768,)"),
 ])
-def test_pack_mistakes_are_described(capsys, fn, words):
-    _fails(capsys, check_pack_nibbles, fn, "pack_nibbles", words)
+def test_pack_mistakes_are_described(verdict, fn, words):
+    verdict(check_pack_nibbles, fn, words)
 
 
 # --- quantize_group ------------------------------------------------------------------------------
@@ -108,21 +94,19 @@ def _divides_by_zero(x, group_size):  # a constant group gives scale 0 and NaN c
 
 
 @pytest.mark.parametrize("fn", [reference_quantize_group, quantize_group_float32])
-def test_quantize_group_references_pass(capsys, fn):
-    assert check_quantize_group(fn) is True
-    assert capsys.readouterr().out == "PASS quantize_group\n"
+def test_quantize_group_references_pass(verdict, fn):
+    verdict(check_quantize_group, fn)
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_stub, "not written yet"),
     (_sixteen_steps, "15 steps"),
     (_symmetric, "zero point"),
     (_truncates, "more than half a step"),
     (_one_scale_per_row, "one per group"),
     (_divides_by_zero, "not finite"),
 ])
-def test_quantize_group_mistakes_are_described(capsys, fn, words):
-    _fails(capsys, check_quantize_group, fn, "quantize_group", words)
+def test_quantize_group_mistakes_are_described(verdict, fn, words):
+    verdict(check_quantize_group, fn, words)
 
 
 def test_reference_quantize_group_round_trips_within_half_a_step():
@@ -157,9 +141,8 @@ def _fp16_always(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes)
 
 
 @pytest.mark.parametrize("fn", [bytes_reference, reference_int4_bytes_per_token])
-def test_bytes_references_pass(capsys, fn):
-    assert check_int4_bytes_per_token(fn) is True
-    assert capsys.readouterr().out == "PASS int4_bytes_per_token\n"
+def test_bytes_references_pass(verdict, fn):
+    verdict(check_int4_bytes_per_token, fn)
 
 
 def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
@@ -170,11 +153,10 @@ def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
 
 
 @pytest.mark.parametrize("fn, words", [
-    (_stub, "not written yet"),
     (_codes_only, "the 4-bit codes alone"),
     (_keys_only, "both K and V"),
     (_no_zero_points, "zero point beside its scale"),
     (_fp16_always, "fp8 scales"),
 ])
-def test_bytes_mistakes_are_described(capsys, fn, words):
-    _fails(capsys, check_int4_bytes_per_token, fn, "int4_bytes_per_token", words)
+def test_bytes_mistakes_are_described(verdict, fn, words):
+    verdict(check_int4_bytes_per_token, fn, words)

@@ -1,6 +1,7 @@
 """The checkers of notebook 08: radarlab's references pass, a stub and plausible wrong answers fail."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from radarlab.checks import check_expected_tokens_per_step, check_ngram_draft, check_verify_stochastic
@@ -8,22 +9,15 @@ from radarlab.sample.rejection_sampler import verify_stochastic
 from radarlab.spec_decode.ngram import ngram_draft
 from radarlab.spec_decode.theory import expected_tokens_per_step
 
-
-def _stub(*args):
-    raise NotImplementedError()
-
-
 # --- expected_tokens_per_step ----------------------------------------------------------------------
 
-def test_expected_tokens_checker_accepts_the_reference_and_rejects_mistakes(capsys):
-    assert check_expected_tokens_per_step(expected_tokens_per_step)
-    assert capsys.readouterr().out.startswith("PASS")
-    assert not check_expected_tokens_per_step(_stub)
-    assert "not written yet" in capsys.readouterr().out
-    assert not check_expected_tokens_per_step(lambda a, k: expected_tokens_per_step(a, k) - 1)  # drafts only
-    assert "target's own token" in capsys.readouterr().out
-    assert not check_expected_tokens_per_step(lambda a, k: 1 + a * k)  # each draft judged alone
-    assert "a^i" in capsys.readouterr().out
+@pytest.mark.parametrize("fn, words", [
+    (expected_tokens_per_step, None),
+    (lambda a, k: expected_tokens_per_step(a, k) - 1, "target's own token"),  # counts the drafts only
+    (lambda a, k: 1 + a * k, "a^i"),  # judges each draft alone
+])
+def test_expected_tokens_checker(verdict, fn, words):
+    verdict(check_expected_tokens_per_step, fn, words)
 
 
 # --- verify_stochastic -----------------------------------------------------------------------------
@@ -63,18 +57,16 @@ def forgets_the_bonus(p, drafts, q, gen):
     return out[:len(drafts)] if len(out) == len(drafts) + 1 else out
 
 
-def test_verify_stochastic_checker_accepts_the_reference_and_rejects_mistakes(capsys):
-    assert check_verify_stochastic(verify_stochastic)
-    assert capsys.readouterr().out.startswith("PASS")
-    assert not check_verify_stochastic(_stub)
-    assert "not written yet" in capsys.readouterr().out
-    assert not check_verify_stochastic(resamples_from_p)
-    out = capsys.readouterr().out
-    assert "chi-square p-value" in out and "max(0, p - q)" in out
-    assert not check_verify_stochastic(accepts_when_p_at_least_q)
-    assert "chi-square p-value" in capsys.readouterr().out
-    assert not check_verify_stochastic(forgets_the_bonus)
-    assert "bonus token" in capsys.readouterr().out
+@pytest.mark.parametrize("fn, words", [
+    (verify_stochastic, None),
+    (resamples_from_p, "max(0, p - q)"),
+    (accepts_when_p_at_least_q, "chi-square p-value"),
+    (forgets_the_bonus, "bonus token"),
+])
+def test_verify_stochastic_checker(verdict, fn, words):
+    out = verdict(check_verify_stochastic, fn, words)
+    if fn is resamples_from_p:
+        assert "chi-square p-value" in out
 
 
 # --- ngram_draft -----------------------------------------------------------------------------------
@@ -99,12 +91,10 @@ def shortest_first(tokens, lo, hi, k):
     return []
 
 
-def test_ngram_checker_accepts_the_reference_and_rejects_mistakes(capsys):
-    assert check_ngram_draft(ngram_draft)
-    assert capsys.readouterr().out.startswith("PASS")
-    assert not check_ngram_draft(_stub)
-    assert "not written yet" in capsys.readouterr().out
-    assert not check_ngram_draft(last_occurrence)
-    assert "first one is used" in capsys.readouterr().out
-    assert not check_ngram_draft(shortest_first)
-    assert "longest match wins" in capsys.readouterr().out
+@pytest.mark.parametrize("fn, words", [
+    (ngram_draft, None),
+    (last_occurrence, "first one is used"),
+    (shortest_first, "longest match wins"),
+])
+def test_ngram_checker(verdict, fn, words):
+    verdict(check_ngram_draft, fn, words)

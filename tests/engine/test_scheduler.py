@@ -81,29 +81,19 @@ def test_fcfs_head_of_queue_is_not_overtaken():
     assert [r.request_id for r in sched.waiting] == ["also_big", "small"]
 
 
-def test_preemption_frees_the_newest_and_requeues_it_first():
+def test_preemption_frees_the_newest_and_requeues_it_ahead_of_later_arrivals():
     manager, sched = make(num_blocks=4, block_size=4)
     sched.add_request(req("old", 8))
     sched.add_request(req("new", 8, start=40))
     run_step(sched)  # both prefilled: 4 blocks used, both need a fifth block to decode
+    sched.add_request(req("later", 4, start=80))  # arrives after both, waits: the pool is full
     out = run_step(sched)
     assert [r.request_id for r in out.preempted] == ["new"]
     assert [r.request_id for r in out.requests] == ["old"] and out.num_scheduled_tokens == [1]
     new = sched.requests["new"]
     assert new.status is RequestStatus.PREEMPTED and new.num_computed_tokens == 0
-    assert sched.waiting[0] is new and "new" not in manager
+    assert [r.request_id for r in sched.waiting] == ["new", "later"] and "new" not in manager
     assert manager.num_free_blocks == 1  # 2 freed by new, 1 taken by old
-
-
-def test_a_preempted_request_goes_ahead_of_requests_that_arrived_later():
-    manager, sched = make(num_blocks=4, block_size=4)
-    sched.add_request(req("old", 8))
-    sched.add_request(req("new", 8, start=40))
-    run_step(sched)
-    sched.add_request(req("later", 4, start=80))  # arrives after both, waits: the pool is full
-    out = run_step(sched)
-    assert [r.request_id for r in out.preempted] == ["new"]
-    assert [r.request_id for r in sched.waiting] == ["new", "later"]
 
 
 def test_a_lone_request_that_outgrows_the_pool_errors_instead_of_hanging():
