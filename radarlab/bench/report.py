@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from radarlab.util import require_int
+
 
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write payload as indented JSON, creating the parent folder."""
@@ -25,6 +27,28 @@ def comma_ints(flag: str, text: str) -> tuple[int, ...]:
 def comma_names(text: str) -> tuple[str, ...]:
     """A flag like --systems radarlab,vllm; blanks dropped."""
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def require_sweep(config, ints: tuple[str, ...], ordered: tuple[str, str], choices: dict[str, tuple]) -> None:
+    """What every sweep's config checks, each error naming its field: the `ints` fields are positive
+    integers, `seed` is at least 0, the `ordered` pair is not reversed, `batch_sizes` is a non-empty list
+    of positive integers, and each field of `choices` holds distinct values from its allowed ones."""
+    for name in ints:
+        require_int(name, getattr(config, name))
+    require_int("seed", config.seed, minimum=0)
+    lo, hi = ordered
+    if getattr(config, lo) > getattr(config, hi):
+        raise ValueError(f"{lo} ({getattr(config, lo)}) is above {hi} ({getattr(config, hi)})")
+    if not config.batch_sizes:
+        raise ValueError("batch_sizes is empty")
+    for b in config.batch_sizes:
+        require_int("batch_sizes", b)
+    for name, allowed in choices.items():
+        values = getattr(config, name)
+        if not values:
+            raise ValueError(f"{name} is empty")
+        if any(v not in allowed for v in values) or len(set(values)) != len(values):
+            raise ValueError(f"{name} must be distinct values from {list(allowed)}, got {list(values)}")
 
 
 # --- the kept runs (results/, described in results/README.md) ------------------------------------

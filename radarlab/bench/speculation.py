@@ -28,8 +28,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from radarlab.bench.report import choose_kept_run, comma_ints, comma_names
-from radarlab.util import require_int
+from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, require_sweep
 from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
 
 SYSTEMS = ("radarlab", "vllm")
@@ -54,22 +53,9 @@ class SpecBenchConfig:
     repeats: int = 1  # runs per cell; the fastest counts
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                     "draft_k", "repeats"):
-            require_int(name, getattr(self, name))
-        require_int("seed", self.seed, minimum=0)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) is above prompt_lookup_max "
-                             f"({self.prompt_lookup_max})")
-        if not self.batch_sizes:
-            raise ValueError("batch_sizes is empty")
-        for b in self.batch_sizes:
-            require_int("batch_sizes", b)
-        for name, allowed in (("workloads", WORKLOADS), ("methods", METHODS), ("systems", SYSTEMS)):
-            values = getattr(self, name)
-            bad = [v for v in values if v not in allowed]
-            if not values or bad or len(set(values)) != len(values):
-                raise ValueError(f"{name} must be distinct values from {list(allowed)}, got {list(values)}")
+        require_sweep(self, ("max_tokens", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                             "draft_k", "repeats"), ("prompt_lookup_min", "prompt_lookup_max"),
+                      {"workloads": WORKLOADS, "methods": METHODS, "systems": SYSTEMS})
 
     def speculative_config(self, method: str) -> dict | None:
         """The speculative_config (vLLM's keys) of a method; None for plain decoding."""

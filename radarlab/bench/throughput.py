@@ -28,10 +28,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, results_dir
+from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, require_sweep, results_dir
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
-from radarlab.util import require_int
 
 SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
 DTYPES = ("bfloat16", "float32")
@@ -104,23 +103,9 @@ class ThroughputConfig:
     repeats: int = 1  # runs per cell, every system alike; the fastest counts
 
     def __post_init__(self) -> None:
-        for name in ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size", "max_num_batched_tokens",
-                     "repeats"):
-            require_int(name, getattr(self, name))
-        require_int("seed", self.seed, minimum=0)
-        if self.min_prompt_len > self.max_prompt_len:
-            raise ValueError(f"min_prompt_len ({self.min_prompt_len}) is above "
-                             f"max_prompt_len ({self.max_prompt_len})")
-        if not self.batch_sizes:
-            raise ValueError("batch_sizes is empty")
-        for b in self.batch_sizes:
-            require_int("batch_sizes", b)
-        for name, values, allowed in [("dtypes", self.dtypes, DTYPES), ("systems", self.systems, SYSTEMS)]:
-            if not values:
-                raise ValueError(f"{name} is empty")
-            bad = [v for v in values if v not in allowed]
-            if bad or len(set(values)) != len(values):
-                raise ValueError(f"{name} must be distinct values from {allowed}, got {list(values)}")
+        require_sweep(self, ("max_tokens", "min_prompt_len", "max_prompt_len", "block_size",
+                             "max_num_batched_tokens", "repeats"), ("min_prompt_len", "max_prompt_len"),
+                      {"dtypes": DTYPES, "systems": SYSTEMS})
 
 
 @dataclass

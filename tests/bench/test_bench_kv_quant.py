@@ -69,14 +69,6 @@ def test_command_line_writes_json(tmp_path):
     assert doc["concurrency"] == [] and "cpu" in json.dumps(doc["environment"]).lower()
 
 
-def test_bad_scheme_names_the_flag(capsys):
-    from radarlab.bench.__main__ import main
-
-    with pytest.raises(SystemExit) as exc:
-        main(["quant", "--quick", "--schemes", "int5"])
-    assert exc.value.code == 2 and "int5" in capsys.readouterr().err
-
-
 def test_bad_config_raises():
     with pytest.raises(ValueError, match="attn_tokens"):
         QuantBenchConfig(chunk_len=64, attn_tokens=128)
