@@ -397,6 +397,26 @@ def triton_paged_decode_split(q, k_cache, v_cache, block_tables, seq_lens, scale
 # 3. Prefill and chunked prefill: many new queries per sequence, causal
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def prefill_tile(query_start_loc_ptr, seq_lens_ptr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                 GROUP_PAD: tl.constexpr):
+    """What a prefill program (sequence, KV head, query tile) works on; the quantized kernel shares it.
+    Row r of the tile is new token `token` = q_tile * BLOCK_Q + r // GROUP_PAD of the sequence and head
+    `g` = r % GROUP_PAD of the GQA group, at absolute position q_pos = context + token, where context =
+    seq_len - query_len. Keys run up to kv_end, the position after the tile's last query. Returns (seq,
+    kv_head, q_start, query_len, token, g, q_pos, kv_end); rows with token >= query_len are padding."""
+    seq = tl.program_id(0)
+    q_tile = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
+    query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    context = seq_len - query_len
+    r = tl.arange(0, BLOCK_M)
+    token = q_tile * BLOCK_Q + r // GROUP_PAD
+    kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
+    return seq, tl.program_id(1), q_start, query_len, token, r % GROUP_PAD, context + token, kv_end
+
+
+@triton.jit
 def _paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, query_start_loc_ptr,
     scale,
@@ -426,21 +446,10 @@ def _paged_prefill_kernel(
     and p v [BLOCK_M, D], so they use tl.dot in fp32 with input_precision="ieee" (not tf32, which
     would cost three decimal digits). Online softmax as in decode.
     """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
-
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    if q_tile * BLOCK_Q >= query_len:
-        return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    context = seq_len - query_len
-
-    r = tl.arange(0, BLOCK_M)
-    token = q_tile * BLOCK_Q + r // GROUP_PAD  # index among this sequence's new tokens
-    g = r % GROUP_PAD
-    q_pos = context + token  # absolute position of each row's query
+    seq, kv_head, q_start, query_len, token, g, q_pos, kv_end = prefill_tile(
+        query_start_loc_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_M, GROUP_PAD)
+    if tl.program_id(2) * BLOCK_Q >= query_len:
+        return  # the grid is sized for the longest query
     d = tl.arange(0, DIM_PAD)
     dim_ok = d < head_dim
     row_mask = ((token < query_len) & (g < GROUP))[:, None] & dim_ok[None, :]
@@ -452,7 +461,6 @@ def _paged_prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM_PAD], tl.float32)
 
-    kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)  # keys the tile's last query sees
     table = block_tables_ptr + seq * stride_bt
     head_offset = kv_head * stride_ch
     dim_offsets = d * stride_cd

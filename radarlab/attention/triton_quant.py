@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from radarlab.attention.layout import validate_block_tables, validate_pool, validate_slot_mapping
+from radarlab.attention.triton_paged import prefill_tile
 from radarlab.kvcache.block_table import group_slots
 from radarlab.kvcache.kivi_store import KiviPool
 from radarlab.kvcache.sink_store import SinkPool
@@ -472,20 +473,10 @@ def _quant_attention_kernel(
     quantized_length(t + 1), and as it was before this step quantized it beyond (the rule of
     radarlab.attention.reference.attention_settled), so a prefill reads what decoding would have read.
     """
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    q_tile = tl.program_id(2)
-    q_start = tl.load(query_start_loc_ptr + seq).to(tl.int64)
-    query_len = tl.load(query_start_loc_ptr + seq + 1).to(tl.int64) - q_start
-    if q_tile * BLOCK_Q >= query_len:
+    seq, kv_head, q_start, query_len, token, g, q_pos, kv_end = prefill_tile(
+        query_start_loc_ptr, seq_lens_ptr, BLOCK_Q, BLOCK_M, GROUP_PAD)
+    if tl.program_id(2) * BLOCK_Q >= query_len:
         return
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    context = seq_len - query_len
-
-    r = tl.arange(0, BLOCK_M)
-    token = q_tile * BLOCK_Q + r // GROUP_PAD
-    g = r % GROUP_PAD
-    q_pos = context + token
     settled = tl.maximum(q_pos + 1 - RESIDUAL, 0) // QGROUP * QGROUP  # kivi.quantized_length(t + 1)
     d = tl.arange(0, DIM)
     row_ok = (token < query_len) & (g < GROUP)
@@ -497,7 +488,6 @@ def _quant_attention_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, DIM], tl.float32)
-    kv_end = tl.minimum(seq_len, context + (q_tile + 1) * BLOCK_Q)
     table = block_tables_ptr + seq * stride_bt
     for start in range(0, kv_end, TILE_N):
         pos = start + tl.arange(0, TILE_N)
