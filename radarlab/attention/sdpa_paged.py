@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from radarlab.cpu_ops import load_cpu_ops
+from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.kvcache.block_table import compute_slot_mapping
 
 DECODES_PER_BUCKET = 16  # a bucket per this many decodes, up to max_buckets (measured: no gain at 16)
@@ -61,7 +61,6 @@ class DecodeBucket:
 @dataclass(frozen=True)
 class KernelDecodes:
     """Every decode of the step, for the C++ kernel (cpu_decode.py): no gather, no padding."""
-    op: object  # torch.ops.radarlab.paged_decode
     rows: torch.Tensor | None  # [n] int64 q rows of the decodes; None: every row of the step, in order
     block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [n] int32
@@ -131,7 +130,7 @@ def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_
     index = torch.tensor(seqs, device=block_tables.device)
     tables = block_tables if in_order else block_tables[index]
     rows = None if in_order else query_start_loc[:-1].long()[index]
-    return KernelDecodes(load_cpu_ops().paged_decode, rows, tables.to(torch.int32).contiguous(),
+    return KernelDecodes(rows, tables.to(torch.int32).contiguous(),
                          torch.tensor([lens[b] for b in seqs], dtype=torch.int32), max(lens[b] for b in seqs))
 
 
@@ -167,8 +166,8 @@ def paged_attention_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if plan.kernel is not None:  # the decodes' rows of out, straight from the blocks
         d = plan.kernel
-        d.op(out, q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, d.block_tables, d.seq_lens,
-             d.rows, scale)
+        paged_decode_cpu(q, k_cache, v_cache, d.block_tables, d.seq_lens, scale, out=out, rows=d.rows,
+                         check=False)
     for bucket in plan.decodes:
         out[bucket.rows] = _decode(q[bucket.rows], k_rows, v_rows, bucket, scale)
     for p in plan.prefills:

@@ -67,31 +67,20 @@ class PrefixCacheStats:
     """Prefix-cache counters, reported like vLLM's (hit rate = hits / queries, in tokens).
 
     queries: prompt tokens looked up; hits: of those, tokens served from the cache.
-    query_blocks: full prompt blocks that could have hit (the block holding the last prompt token
-    never can, since that token is always recomputed); hit_blocks: those that did.
     """
     requests: int = 0
     queries: int = 0
     hits: int = 0
-    query_blocks: int = 0
-    hit_blocks: int = 0
 
-    def record(self, num_tokens: int, num_hit_tokens: int, num_query_blocks: int,
-               num_hit_blocks: int) -> None:
+    def record(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.requests += 1
         self.queries += num_tokens
         self.hits += num_hit_tokens
-        self.query_blocks += num_query_blocks
-        self.hit_blocks += num_hit_blocks
 
     @property
     def hit_rate(self) -> float:
         """Fraction of queried prompt tokens served from the cache (0.0 before any query)."""
         return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def block_hit_rate(self) -> float:
-        return self.hit_blocks / self.query_blocks if self.query_blocks else 0.0
 
 
 class BlockPool:
@@ -127,11 +116,6 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return len(self.cached_block_ids)
-
-    @property
-    def usage(self) -> float:
-        """Fraction of the pool in use, like vLLM's kv_cache_usage."""
-        return self.num_used_blocks / self.num_blocks
 
     def ref_count(self, block_id: int) -> int:
         self._check_id(block_id)
@@ -226,17 +210,6 @@ class BlockPool:
         if block_id in self.evictable:
             raise ValueError(f"block {block_id} is free; nobody may write to it")
         self._drop_hash(block_id)
-
-    def reset_prefix_cache(self) -> bool:
-        """Forget all cached content (like vLLM's reset_prefix_cache). Refused, returning False,
-        while any block is in use, since running sequences may still register or hit blocks."""
-        if self.num_used_blocks:
-            return False
-        while self.evictable:
-            block_id, _ = self.evictable.popitem(last=False)
-            self._drop_hash(block_id)
-            self.free_block_ids.append(block_id)
-        return True
 
     # --- helpers --------------------------------------------------------------------------
     def _drop_hash(self, block_id: int) -> None:

@@ -172,8 +172,7 @@ class KVCacheManager:
         self.block_tables[seq.seq_id] = table
         self._cache_full_blocks(seq, table)
         if self.block_pool.enable_prefix_caching:
-            num_query_blocks = (seq.num_tokens - 1) // self.block_size
-            self.prefix_cache_stats.record(seq.num_tokens, num_computed, num_query_blocks, len(hit))
+            self.prefix_cache_stats.record(seq.num_tokens, num_computed)
         return num_computed
 
     # --- growing ----------------------------------------------------------------------------------

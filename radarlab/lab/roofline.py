@@ -168,10 +168,6 @@ class PreemptionCost:
     swap_s: float
     recompute_s: float
 
-    @property
-    def cheaper(self) -> str:
-        return "swap" if self.swap_s < self.recompute_s else "recompute"
-
 
 def preemption_cost(dims: TransformerDims, context: int, link_bytes_per_s: float, flops_per_s: float,
                     kv_dtype: str = "bf16") -> PreemptionCost:

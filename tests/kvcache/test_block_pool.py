@@ -48,7 +48,7 @@ def test_block_id_outside_pool_raises(block_id):
 def test_allocate_and_free_counts():
     a = BlockPool(4, 16)
     assert a.allocate_many(3) == [0, 1, 2]
-    assert (a.num_free_blocks, a.num_used_blocks, a.usage) == (1, 3, 0.75)
+    assert (a.num_free_blocks, a.num_used_blocks) == (1, 3)
     a.free(1)
     assert a.allocate_many(2) == [3, 1]  # freed blocks go to the back of the free list
     assert a.num_free_blocks == 0
@@ -183,20 +183,10 @@ def test_prefix_caching_disabled_never_caches():
     assert not a.evictable
 
 
-def test_reset_prefix_cache():
-    a = BlockPool(2, 4)
-    b = a.allocate()
-    a.cache_full_block(b, b"h")
-    assert not a.reset_prefix_cache()  # a block is in use
-    a.free(b)
-    assert a.reset_prefix_cache()
-    assert a.num_cached_blocks == 0 and a.num_free_blocks == 2 and not a.evictable
-
-
 def test_stats_hit_rate():
     s = PrefixCacheStats()
     assert s.hit_rate == 0.0
-    s.record(10, 8, 2, 2)
-    s.record(10, 0, 2, 0)
+    s.record(10, 8)
+    s.record(10, 0)
     assert (s.requests, s.queries, s.hits) == (2, 20, 8)
-    assert s.hit_rate == 0.4 and s.block_hit_rate == 0.5
+    assert s.hit_rate == 0.4

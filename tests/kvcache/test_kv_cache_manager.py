@@ -138,7 +138,6 @@ def test_prefix_hits_reuse_full_blocks_and_recompute_last_token():
     assert hit == 8
     s = m.prefix_cache_stats
     assert (s.requests, s.queries, s.hits) == (4, 10 + 10 + 8 + 9, 0 + 8 + 4 + 8)
-    assert (s.query_blocks, s.hit_blocks) == (2 + 2 + 1 + 2, 0 + 2 + 1 + 2)
     assert s.hit_rate == pytest.approx(20 / 37)
     for seq in (a, b, c, d):
         m.free(seq)

@@ -15,7 +15,7 @@ cpu_ops=...) and PagedKVCache(...) decide):
 Each configuration, then its backend; its KV write; its attention:
 
 - backend="torch", 16/32-bit, C++ ops built: CpuBackend; torch.ops.radarlab.reshape_and_cache;
-  decodes: cpu_decode.paged_decode_cpu, chunks: sdpa_paged
+  decodes: cpu_decode.paged_decode_cpu (check=False; the C++ paged_decode), chunks: sdpa_paged
 - backend="torch", 16/32-bit, no C++ ops: TorchSDPABackend; kv_write.reshape_and_cache;
   sdpa_paged.paged_attention_sdpa
 - backend="triton", 16/32-bit: TritonBackend; triton_paged.triton_reshape_and_cache;
