@@ -189,24 +189,46 @@ _OTHER_ISA = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("march", ["haswell", "x86-64"], ids=["avx2", "plain_loops"])
-def test_the_other_vector_paths_equal_the_reference(march, tmp_path, monkeypatch):
-    """The AVX2 build (what an AVX2-only CPU compiles) and the plain-loop build (no AVX at all), each
-    in a child process, on this machine's CPU (which can run both): the decode kernel against fp32
-    math, the fused operators against the torch code."""
-    if cpu_arch() != "x86_64" or (march == "haswell" and not cpu_flags().get("avx2")):
-        pytest.skip("needs an x86-64 CPU (with AVX2 for the haswell build)")
-    monkeypatch.setenv("RADARLAB_CACHE", str(tmp_path))  # a fresh build, not this machine's cached one
+MARCHES = {"avx2": "haswell", "plain_loops": "x86-64"}
+
+
+@pytest.fixture(scope="module")
+def other_isa_runs(tmp_path_factory):
+    """The AVX2 build and the plain-loop build, each in a child process with a fresh cache, run at once
+    (each compile is one thread; together they take the time of one). {name: (returncode, stdout,
+    stderr)}; a build this CPU cannot run is left out."""
+    if cpu_arch() != "x86_64":
+        return {}
     from pathlib import Path
 
     here = Path(__file__).resolve().parent  # test_paged_attention is here, test_cpu_ops one folder up
     script = _OTHER_ISA.format(tests=[str(here), str(here.parent)])
-    env = {**os.environ, "RADARLAB_CPU_MARCH": march}
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
-                          env=env)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    children = {}
+    for name, march in MARCHES.items():
+        if march == "haswell" and not cpu_flags().get("avx2"):
+            continue
+        cache = str(tmp_path_factory.mktemp(name))  # a fresh build, not this machine's cached one
+        env = {**os.environ, "RADARLAB_CPU_MARCH": march, "RADARLAB_CACHE": cache}
+        children[name] = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True, env=env)
+    runs = {}
+    for name, child in children.items():
+        out, err = child.communicate(timeout=900)
+        runs[name] = (child.returncode, out, err)
+    return runs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(MARCHES))
+def test_the_other_vector_paths_equal_the_reference(name, other_isa_runs):
+    """The AVX2 build (what an AVX2-only CPU compiles) and the plain-loop build (no AVX at all), each
+    in a child process, on this machine's CPU (which can run both): the decode kernel against fp32
+    math, the fused operators against the torch code."""
+    if name not in other_isa_runs:
+        pytest.skip("needs an x86-64 CPU (with AVX2 for the haswell build)")
+    returncode, out, err = other_isa_runs[name]
+    assert returncode == 0, err[-2000:]
+    result = json.loads(out.strip().splitlines()[-1])
     assert len(result["attention"]) == 18 and max(result["attention"]) < TOL
     assert len(result["fused_ulps"]) == 6 and max(result["fused_ulps"]) <= 2, result["fused_ulps"]
 
