@@ -51,9 +51,12 @@ def check_verify_stochastic(verify_stochastic) -> bool:
     """Check a learner's verify_stochastic(target_probs, draft_token_ids, draft_probs, generator) ->
     emitted tokens: accept draft x with probability min(1, p(x)/q(x)), on the first rejection draw
     from max(0, p - q) renormalised and stop, and draw a bonus token from the last row if all drafts
-    were accepted. Deterministic cases first, then a chi-square test of the first emitted token
-    against p (6000 seeded steps; it rejects a sampler that resamples from p instead of the residual
-    with probability above 0.99 at the 1e-3 level: radarlab.lab.chi_square.chi_square_power)."""
+    were accepted. Deterministic cases first, then chi-square tests of the laws (seeded, at the 1e-3
+    level): with one draft, the first emitted token against p (6000 steps; a sampler that resamples
+    from p instead of the residual is caught with probability above 0.99:
+    radarlab.lab.chi_square.chi_square_power); with two drafts and three distinct rows, the second
+    token (where the first draft was accepted) against p_1 and the bonus against p_2, which catch a
+    sampler that reads row 0 at every position or draws the bonus from the wrong row."""
     import torch
 
     from radarlab.lab.chi_square import chi_square_test
@@ -122,7 +125,39 @@ def check_verify_stochastic(verify_stochastic) -> bool:
                              f"{q[0].tolist()}, the first emitted token had frequencies {freq}, not p "
                              f"(chi-square p-value {pvalue:.1e}); on rejection, draw from max(0, p - q) "
                              "renormalised")
+    # two drafts, every row different: position i is judged with p[i] and q[i], the bonus comes from p[2]
+    p, q = _two_draft_case()
+    later = [torch.zeros(p.shape[1], dtype=torch.long) for _ in range(2)]  # second tokens, bonus tokens
+    for i in range(n):
+        drafts = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
+        tokens, problem = run(p, drafts, q, n + i, f"two drafts {drafts} with p and q of distinct rows")
+        if problem:
+            return verdict(name, problem)
+        for j, token in enumerate(tokens[1:]):
+            later[j][token] += 1
+    for j, (what, hint) in enumerate([("second emitted token (after an accepted first draft)",
+                                       "position 1 is judged with row 1 of p and of q, not row 0"),
+                                      ("bonus token (after both drafts were accepted)",
+                                       "the bonus is drawn from the last row of p, row k = 2")]):
+        _, pvalue = chi_square_test(later[j], p[j + 1])
+        if pvalue < 1e-3:
+            total = int(later[j].sum())
+            freq = [round(float(c) / max(total, 1), 3) for c in later[j]]
+            return verdict(name, f"over {n} verify steps with two drafts and rows p_0, p_1, p_2 all "
+                                 f"different, the {what} had frequencies {freq} in {total} steps, not "
+                                 f"p_{j + 1} = {p[j + 1].tolist()} (chi-square p-value {pvalue:.1e}): {hint}")
     return verdict(name, None)
+
+
+def _two_draft_case():
+    """p [3, V] and q [2, V] with every row different, for the k = 2 stage of the checker."""
+    import torch
+
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.05, 0.10, 0.15, 0.20, 0.20, 0.30],
+                      [0.30, 0.05, 0.30, 0.05, 0.20, 0.10]], dtype=torch.float64)
+    q = torch.tensor([[0.30, 0.30, 0.20, 0.10, 0.05, 0.05], [0.10, 0.10, 0.10, 0.20, 0.20, 0.30]],
+                     dtype=torch.float64)
+    return p, q
 
 
 def check_ngram_draft(ngram_draft) -> bool:

@@ -51,6 +51,20 @@ def accepts_when_p_at_least_q(p, drafts, q, gen):
     return out + [int(torch.multinomial(p[-1], 1, generator=gen))]
 
 
+def row_zero_everywhere(p, drafts, q, gen):
+    """Wrong: judges every draft with row 0 of p and q (and draws the bonus from row 0 too)."""
+    k = len(drafts)
+    return verify_stochastic(p[:1].expand(k + 1, -1), drafts, None if q is None else q[:1].expand(k, -1), gen)
+
+
+def bonus_from_the_last_draft_row(p, drafts, q, gen):
+    """Wrong: draws the bonus token from p[k - 1], the last draft's row, instead of p[k]."""
+    rows = p.clone()
+    if len(drafts):
+        rows[-1] = p[-2]
+    return verify_stochastic(rows, drafts, q, gen)
+
+
 def forgets_the_bonus(p, drafts, q, gen):
     """Wrong: emits nothing after the last accepted draft."""
     out = verify_stochastic(p, drafts, q, gen)
@@ -62,6 +76,8 @@ def forgets_the_bonus(p, drafts, q, gen):
     (resamples_from_p, "max(0, p - q)"),
     (accepts_when_p_at_least_q, "chi-square p-value"),
     (forgets_the_bonus, "bonus token"),
+    (row_zero_everywhere, "position 1 is judged with row 1 of p and of q, not row 0"),
+    (bonus_from_the_last_draft_row, "the bonus is drawn from the last row of p, row k = 2"),
 ])
 def test_verify_stochastic_checker(verdict, fn, words):
     out = verdict(check_verify_stochastic, fn, words)
