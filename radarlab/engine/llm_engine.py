@@ -30,8 +30,8 @@ from radarlab.engine.scheduler import Scheduler, SchedulerOutput
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
-from radarlab.sample.rejection_sampler import rejection_sample
-from radarlab.sample.sampler import sample
+from radarlab.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
+from radarlab.sample.sampler import probabilities, sample
 from radarlab.sample.sampling_params import SamplingParams
 from radarlab.spec_decode.metrics import SpecDecodingStats
 from radarlab.spec_decode.speculative_config import make_proposer
@@ -61,7 +61,8 @@ class Engine:
                  max_num_batched_tokens: int = 512, max_model_len: int | None = None, backend: str = "torch",
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
-                 speculative_config: dict | None = None, cpu_ops: bool | None = None) -> None:
+                 speculative_config: dict | None = None, cpu_ops: bool | None = None,
+                 rejection_sampler=rejection_sample) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -69,7 +70,9 @@ class Engine:
         all be refused).
         speculative_config takes vLLM's keys (radarlab.spec_decode.speculative_config). cpu_ops: whether the
         KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
-        they can be built; the model's own are Llama.use_cpu_ops)."""
+        they can be built; the model's own are Llama.use_cpu_ops). rejection_sampler verifies a step's
+        drafts: radarlab.sample.rejection_sampler.rejection_sample or anything with its signature
+        (vLLM's), such as a learner's own."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -106,6 +109,7 @@ class Engine:
             speculative_config, model, num_blocks, block_size, max_model_len, backend)
         self.spec_stats = (None if self.proposer is None
                            else SpecDecodingStats(self.proposer.num_speculative_tokens))
+        self.rejection_sampler = rejection_sampler
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -184,10 +188,12 @@ class Engine:
             tokens = sample(picked, [r.params for r in done], [r.generator for r in done])
             emitted.update((b, [t]) for b, t in zip(plain, tokens))
         num_rejected = [0] * len(sched.requests)
-        for b in rows:
-            if sched.num_spec_tokens[b]:
-                emitted[b] = self._verify(sched.requests[b], logits[spec.rows(b)])
-                num_rejected[b] = sched.num_spec_tokens[b] - (len(emitted[b]) - 1)
+        verifying = [b for b in rows if sched.num_spec_tokens[b]]
+        if verifying:
+            for b, tokens in zip(verifying, self._verify([sched.requests[b] for b in verifying],
+                                                         [logits[spec.rows(b)] for b in verifying])):
+                emitted[b] = tokens
+                num_rejected[b] = sched.num_spec_tokens[b] - (len(tokens) - 1)
         self.scheduler.update(sched, num_rejected)  # the one place num_computed_tokens moves
         if not rows:
             return outputs
@@ -230,14 +236,39 @@ class Engine:
                 probs = proposal.draft_probs
                 request.spec_probs = None if probs is None else probs[:len(drafts)]
 
-    def _verify(self, request: Request, logits: torch.Tensor) -> list[int]:
-        """Rejection-sample the request's drafts against logits [k+1, V]: the accepted drafts, then the
-        target's own token (a correction, or the bonus after k accepted)."""
-        k = len(request.spec_token_ids)
-        tokens = rejection_sample(logits, request.spec_token_ids, request.params, request.spec_probs,
-                                  request.generator)
-        self.spec_stats.observe_draft(k, len(tokens) - 1)
-        return tokens
+    def _verify(self, requests: list[Request], logits: list[torch.Tensor]) -> list[list[int]]:
+        """Verify every request's drafts at once, request b against its logits[b] [k+1, V]: p from
+        each draft's row under the request's sampling parameters (the q of its drafts was shaped the
+        same way), the bonus token sampled from the last row by the ordinary sampler, then one call of
+        the rejection sampler. Returns each request's tokens: accepted drafts, then the target's own
+        (a correction, or the bonus after k accepted)."""
+        drafts = [r.spec_token_ids for r in requests]
+        params = [r.params for r in requests]
+        generators = [r.generator for r in requests]
+        bonus = sample(torch.stack([rows[-1] for rows in logits]), params, generators)
+        target = torch.cat([probabilities(rows[:-1], p) for rows, p in zip(logits, params)])
+        draft_probs = None
+        if any(r.spec_probs is not None for r in requests):  # a proposer without them drafts one-hot
+            draft_probs = torch.cat([torch.nn.functional.one_hot(torch.tensor(d), target.shape[-1]).float()
+                                     if r.spec_probs is None else r.spec_probs.detach().float().cpu()
+                                     for d, r in zip(drafts, requests)])
+        counts = torch.tensor([len(d) for d in drafts])
+        out = self.rejection_sampler(torch.tensor([t for d in drafts for t in d], dtype=torch.long),
+                                     counts.cumsum(0), draft_probs, target,
+                                     torch.tensor(bonus, dtype=torch.long)[:, None],
+                                     [p.greedy for p in params], generators)
+        emitted = []
+        for b, d in enumerate(drafts):
+            row = [int(t) for t in out[b]]
+            n = row.index(PLACEHOLDER_TOKEN_ID) if PLACEHOLDER_TOKEN_ID in row else len(row)
+            if not 1 <= n <= len(d) + 1 or row[:n - 1] != d[:n - 1] or any(t != PLACEHOLDER_TOKEN_ID
+                                                                           for t in row[n:]):
+                raise ValueError(f"the rejection sampler returned {row} for request "
+                                 f"{requests[b].request_id!r} with drafts {d}: expected the accepted drafts "
+                                 f"(a prefix of them), then one token, then {PLACEHOLDER_TOKEN_ID}s")
+            self.spec_stats.observe_draft(len(d), n - 1)
+            emitted.append(row[:n])
+        return emitted
 
     def _commit(self, request: Request, tokens: list[int]) -> RequestOutput:
         """Append this step's tokens up to the first stop condition; anything after it is dropped, and

@@ -16,17 +16,20 @@ while the draft equals the target's argmax, then emit the argmax.
 
 p and q both come from radarlab.sample.sampler.probabilities with the request's SamplingParams, so
 temperature, top-k and top-p truncate them identically. Random numbers come from the request's own
-generator, in a fixed order (one uniform per checked draft, then one draw for the last token), so a
-seeded request verifies the same way in any batch.
+generator, in a fixed order, so a seeded request verifies the same way in any batch: verify_stochastic
+draws one uniform per checked draft, then one token (residual or bonus); in the engine the bonus is
+drawn first (by the ordinary sampler, as in vLLM), then the uniforms and the residual draw.
+
+The engine verifies a whole step at once through rejection_sample, vLLM's batched interface
+(vllm/v1/sample/rejection_sampler.py): every request's drafts packed in one tensor, the bonus tokens
+sampled beforehand by the ordinary sampler, the output padded with PLACEHOLDER_TOKEN_ID. Anything
+with that signature can be passed as Engine(rejection_sampler=...).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import torch
-
-from radarlab.sample.sampler import probabilities
-from radarlab.sample.sampling_params import SamplingParams
 
 
 def _check(num_rows: int, draft_token_ids: Sequence[int], draft_probs: torch.Tensor | None,
@@ -46,14 +49,22 @@ def verify_greedy(target_logits: torch.Tensor, draft_token_ids: Sequence[int]) -
     """Tokens emitted by a greedy verify step: the accepted drafts (those equal to the target's
     argmax, in order) and then the target's own argmax at the first mismatch, or the bonus token."""
     _check(target_logits.shape[0], draft_token_ids, None, target_logits.shape[-1])
-    best = target_logits.argmax(-1).tolist()
-    out = []
-    for draft, target in zip(draft_token_ids, best):
-        out.append(target)
-        if draft != target:
-            return out
-    out.append(best[len(draft_token_ids)])
+    out, rejected = _accept_greedy(target_logits, draft_token_ids)
+    if not rejected:
+        out.append(int(target_logits[-1].argmax()))
     return out
+
+
+def _accept_greedy(target: torch.Tensor, draft_token_ids: Sequence[int]) -> tuple[list[int], bool]:
+    """Greedy acceptance over rows 0 .. k-1 of target (logits or probabilities): the drafts while
+    they equal the argmax, then the argmax at the first mismatch. Returns (tokens, rejected)."""
+    best = target[:len(draft_token_ids)].argmax(-1).tolist()
+    out = []
+    for draft, token in zip(draft_token_ids, best):
+        out.append(token)
+        if draft != token:
+            return out, True
+    return out, False
 
 
 def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
@@ -63,9 +74,20 @@ def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int]
 
     target_probs [k+1, V] are p; draft_probs [k, V] are q, or None for one-hot q (a draft without
     probabilities: it is accepted with probability p(x), and on rejection x itself is excluded)."""
-    vocab = target_probs.shape[-1]
-    _check(target_probs.shape[0], draft_token_ids, draft_probs, vocab)
+    _check(target_probs.shape[0], draft_token_ids, draft_probs, target_probs.shape[-1])
     target_probs = target_probs.float()
+    out, rejected = _accept_or_resample(target_probs, draft_token_ids, draft_probs, generator)
+    if not rejected:  # every draft accepted: the bonus, from the last row
+        out.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))
+    return out
+
+
+def _accept_or_resample(target_probs: torch.Tensor, draft_token_ids: Sequence[int],
+                        draft_probs: torch.Tensor | None,
+                        generator: torch.Generator | None) -> tuple[list[int], bool]:
+    """The drafts in order: accepted ones, then at the first rejection a draw from the residual, and
+    stop. Rows 0 .. k-1 of target_probs are read. Returns (tokens, whether a draft was rejected)."""
+    vocab = target_probs.shape[-1]
     out = []
     for i, x in enumerate(draft_token_ids):
         p = target_probs[i]
@@ -83,21 +105,46 @@ def verify_stochastic(target_probs: torch.Tensor, draft_token_ids: Sequence[int]
         # can still land here, with a residual of ~0; p itself is the right distribution then.
         dist = residual / total if total > 0 else p
         out.append(int(torch.multinomial(dist, 1, generator=generator)))
-        return out
-    out.append(int(torch.multinomial(target_probs[-1], 1, generator=generator)))
+        return out, True
+    return out, False
+
+
+PLACEHOLDER_TOKEN_ID = -1  # fills a request's output row past its emitted tokens, as in vLLM
+
+
+def rejection_sample(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.Tensor,
+                     draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                     bonus_token_ids: torch.Tensor, is_greedy: Sequence[bool],
+                     generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Verify B requests' drafts at once, with vLLM's interface and output.
+
+    draft_token_ids [N]: the drafts of requests 0 .. B-1, packed; cu_num_draft_tokens [B]: inclusive
+    cumulative draft counts (request b's are draft_token_ids[cu[b-1]:cu[b]]); draft_probs [N, V], q,
+    or None (drafts without probabilities: one-hot q); target_probs [N, V], p at each draft's position;
+    bonus_token_ids [B, 1], each request's token after all its drafts, sampled beforehand from its last
+    row; is_greedy [B] (greedy requests accept while the draft is p's argmax and use no random
+    numbers); generators [B], each request's own (or None).
+    Returns [B, max_k + 1] int64: request b's emitted tokens (accepted drafts, then a residual draw or
+    its bonus token), then PLACEHOLDER_TOKEN_ID."""
+    ends = [int(c) for c in cu_num_draft_tokens]
+    num = len(ends)
+    if not (bonus_token_ids.shape == (num, 1) and len(is_greedy) == len(generators) == num):
+        raise ValueError(f"{num} requests (cu_num_draft_tokens) need bonus_token_ids [B, 1], is_greedy and "
+                         f"generators of B = {num}; got {tuple(bonus_token_ids.shape)}, {len(is_greedy)}, "
+                         f"{len(generators)}")
+    starts = [0] + ends[:-1]
+    max_k = max([e - s for s, e in zip(starts, ends)], default=0)
+    out = torch.full((num, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    target_probs = target_probs.detach().float().cpu()
+    for b, (lo, hi) in enumerate(zip(starts, ends)):
+        drafts = draft_token_ids[lo:hi].tolist()
+        p, q = target_probs[lo:hi], None if draft_probs is None else draft_probs[lo:hi].detach().float().cpu()
+        _check(hi - lo + 1, drafts, q, target_probs.shape[-1])
+        if is_greedy[b]:
+            tokens, rejected = _accept_greedy(p, drafts)
+        else:
+            tokens, rejected = _accept_or_resample(p, drafts, q, generators[b])
+        if not rejected:
+            tokens.append(int(bonus_token_ids[b, 0]))
+        out[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
     return out
-
-
-def rejection_sample(target_logits: torch.Tensor, draft_token_ids: Sequence[int], params: SamplingParams,
-                     draft_probs: torch.Tensor | None = None,
-                     generator: torch.Generator | None = None) -> list[int]:
-    """One request's verify step from raw target logits [k+1, V]: greedy when params are greedy,
-    rejection sampling otherwise, with p under the same temperature, top-k and top-p as the draft's q.
-    Returns the emitted tokens: between 1 and k + 1 of them."""
-    if target_logits.dim() != 2:
-        raise ValueError(f"target_logits must be [k + 1, V], got {tuple(target_logits.shape)}")
-    target_logits = target_logits.detach().float().cpu()
-    if params.greedy:
-        return verify_greedy(target_logits, draft_token_ids)
-    return verify_stochastic(probabilities(target_logits, params), draft_token_ids,
-                             None if draft_probs is None else draft_probs.detach().float().cpu(), generator)

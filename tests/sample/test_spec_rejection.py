@@ -11,7 +11,12 @@ from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.lab.chi_square import chi_square_power, chi_square_sf, chi_square_test, critical_value
 from radarlab.models.paged_runner import paged_step
-from radarlab.sample.rejection_sampler import rejection_sample, verify_greedy, verify_stochastic
+from radarlab.sample.rejection_sampler import (
+    PLACEHOLDER_TOKEN_ID,
+    rejection_sample,
+    verify_greedy,
+    verify_stochastic,
+)
 from radarlab.sample.sampler import probabilities, sample
 from radarlab.sample.sampling_params import SamplingParams
 from radarlab.spec_decode.draft_model import truncated_copy
@@ -59,7 +64,45 @@ def one_hot_logits(tokens, vocab=8):
 def test_greedy_verification(target, drafts, emitted):
     logits = one_hot_logits(target)
     assert verify_greedy(logits, drafts) == emitted
-    assert rejection_sample(logits, drafts, SamplingParams()) == emitted
+    out = batched([logits], [drafts], [True])
+    assert out[0].tolist() == emitted + [PLACEHOLDER_TOKEN_ID] * (len(drafts) + 1 - len(emitted))
+
+
+def batched(logits, drafts, greedy, params=None, draft_probs=None, generators=None):
+    """rejection_sample on requests given as [k+1, V] logits each, the bonus drawn as the engine does."""
+    params = params or [SamplingParams(temperature=0.0 if g else 1.0) for g in greedy]
+    generators = generators or [None] * len(drafts)
+    bonus = torch.tensor(sample(torch.stack([row[-1] for row in logits]), params, generators))[:, None]
+    target = torch.cat([probabilities(row[:-1], p) for row, p in zip(logits, params)])
+    cu = torch.tensor([len(d) for d in drafts]).cumsum(0)
+    return rejection_sample(torch.tensor([t for d in drafts for t in d], dtype=torch.long), cu, draft_probs,
+                            target, bonus, greedy, generators)
+
+
+def test_batched_verification_pads_each_request_and_equals_one_at_a_time():
+    torch.manual_seed(0)
+    logits = [one_hot_logits([1, 2, 3, 4]), one_hot_logits([6]), one_hot_logits([5, 0, 2])]
+    drafts = [[1, 5, 3], [], [5, 0]]
+    out = batched(logits, drafts, [True, True, True])
+    assert out.tolist() == [[1, 2, -1, -1], [6, -1, -1, -1], [5, 0, 2, -1]]
+    # stochastic requests draw from their own generators: batched equals one request at a time
+    rows = [torch.randn(4, 30), torch.randn(3, 30)]
+    q = [torch.randn(3, 30).softmax(-1), torch.randn(2, 30).softmax(-1)]
+    drafts = [[3, 4, 5], [7, 8]]
+    params = [SamplingParams(temperature=1.0)] * 2
+
+    def gens():
+        return [torch.Generator().manual_seed(3), torch.Generator().manual_seed(4)]
+    together = batched(rows, drafts, [False, False], params, torch.cat(q), gens())
+    g = gens()
+    alone = [batched([rows[i]], [d], [False], params[:1], q[i], [g[i]])[0] for i, d in enumerate(drafts)]
+    assert together[0].tolist() == alone[0].tolist() and together[1, :3].tolist() == alone[1].tolist()
+
+
+def test_batched_bad_shapes_raise():
+    with pytest.raises(ValueError, match="bonus_token_ids"):
+        rejection_sample(torch.tensor([1]), torch.tensor([1]), None, torch.zeros(1, 4), torch.zeros(2, 1),
+                         [True], [None])
 
 
 def test_bad_input_raises():
@@ -70,8 +113,6 @@ def test_bad_input_raises():
         verify_greedy(logits, [1, 8])
     with pytest.raises(ValueError, match="draft_probs must be"):
         verify_stochastic(logits.softmax(-1), [1, 2], torch.full((2, 7), 1 / 7))
-    with pytest.raises(ValueError, match="target_logits must be"):
-        rejection_sample(logits[0], [], SamplingParams())
 
 
 def test_stochastic_with_equal_p_and_q_accepts_everything():
@@ -96,11 +137,11 @@ def test_seeded_verification_is_reproducible():
     torch.manual_seed(0)
     logits, q = torch.randn(4, 30), torch.randn(3, 30).softmax(-1)
     params = SamplingParams(temperature=1.0)
-    runs = [[rejection_sample(logits, [3, 4, 5], params, q,
-                              torch.Generator().manual_seed(s)) for s in range(20)]
+    runs = [[tuple(batched([logits], [[3, 4, 5]], [False], [params], q,
+                           [torch.Generator().manual_seed(s)])[0].tolist()) for s in range(20)]
             for _ in range(2)]
     assert runs[0] == runs[1]
-    assert len({tuple(o) for o in runs[0]}) > 1  # the seed matters
+    assert len(set(runs[0])) > 1  # the seed matters
 
 
 # --- losslessness: chi-square ------------------------------------------------------------------

@@ -7,11 +7,13 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from radarlab.engine import Engine, RequestStatus, SamplingParams
 from radarlab.lab.timeline import DECODE, PREFILL, VERIFY, output_token_ids, run_recorded
 from radarlab.models.generate import greedy_generate
 from radarlab.models.llama import Llama
+from radarlab.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, rejection_sample
 from radarlab.spec_decode.draft_model import truncated_copy
 
 NEW = 12
@@ -221,3 +223,45 @@ def test_course_model_greedy_speculation_equals_plain_greedy(model, prompts):
         assert engine.spec_stats.num_drafts > 0
         if num_blocks == 6:
             assert engine.scheduler.num_preemptions > 0
+
+
+# --- the rejection sampler is a seam: Engine(rejection_sampler=...) ------------------------------------
+def reject_everything(draft_token_ids, cu_num_draft_tokens, draft_probs, target_probs, bonus_token_ids,
+                      is_greedy, generators):
+    """A sampler that accepts no draft: each request emits the target's argmax at its first draft's row."""
+    out = torch.full((len(cu_num_draft_tokens), 2), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    starts = [0] + cu_num_draft_tokens[:-1].tolist()
+    out[:, 0] = target_probs[starts].argmax(-1)
+    return out
+
+
+def test_a_sampler_of_ones_own_plugs_in_and_runs_every_verify_step(tiny, workload):
+    prompts, ref = workload
+    calls = []
+
+    def counting(*args):
+        calls.append(len(args[1]))
+        return rejection_sample(*args)
+
+    engine = Engine(tiny, num_blocks=128, block_size=4, max_num_seqs=6, speculative_config=NGRAM,
+                    rejection_sampler=counting)
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=NEW))] == ref
+    assert calls and sum(calls) == engine.spec_stats.num_drafts  # one call a step, all drafting requests
+    # accepting nothing is still lossless for greedy decoding: every token is the target's own
+    engine = Engine(tiny, num_blocks=128, block_size=4, max_num_seqs=6, speculative_config=NGRAM,
+                    rejection_sampler=reject_everything)
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=NEW))] == ref
+    assert engine.spec_stats.num_accepted_tokens == 0 and engine.spec_stats.num_drafts > 0
+
+
+def test_a_sampler_that_returns_tokens_not_drafted_is_refused(tiny):
+
+    def invents(draft_token_ids, cu_num_draft_tokens, *rest):
+        out = rejection_sample(draft_token_ids, cu_num_draft_tokens, *rest)
+        out[:, 0] = (draft_token_ids[0] + 1) % 128  # "accepts" a token that was never drafted
+        out[:, 1] = 5
+        return out
+
+    engine = Engine(tiny, num_blocks=128, block_size=4, speculative_config=NGRAM, rejection_sampler=invents)
+    with pytest.raises(ValueError, match="the rejection sampler returned .* expected the accepted drafts"):
+        engine.generate([[1, 2, 3, 1, 2, 3, 1, 2]], SamplingParams(max_tokens=NEW))
