@@ -39,9 +39,9 @@ lint: setup
 	$(VPY) -m ruff check radarlab tests scripts
 
 # The linter first, then the unit tests, the vLLM comparisons and every notebook (nbval, lax mode), in one
-# pytest run.
+# pytest run; the 25 slowest steps are listed at the end, to see where the time goes.
 test: setup lint model vllm
-	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax \
+	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax --durations=25 \
 		--ignore=notebooks/exercises tests notebooks
 
 # Quick loop while developing (a few minutes): the linter, then the tests that are not `slow` (the course
