@@ -37,6 +37,7 @@ from radarlab.checks.nb07_int4 import (
 from radarlab.checks.nb08_speculative import (
     check_expected_tokens_per_step,
     check_ngram_draft,
+    check_rejection_sample,
     check_verify_stochastic,
 )
 from radarlab.checks.nb09_draft_models import (
@@ -75,6 +76,7 @@ __all__ = [
     "check_expected_tokens_per_step",
     "check_verify_stochastic",
     "check_ngram_draft",
+    "check_rejection_sample",
     "reference_acceptance_counts",
     "check_acceptance_counts",
     "reference_first_costly_batch",

@@ -1,5 +1,5 @@
 """Checkers of notebook 08 (speculative decoding): expected tokens per step, stochastic verification,
-the n-gram draft."""
+the n-gram draft, and the engine's batched rejection sampler."""
 from __future__ import annotations
 
 from radarlab.checks.common import call_learner, verdict
@@ -207,3 +207,110 @@ def check_ngram_draft(ngram_draft) -> bool:
         if got != want:
             return verdict(name, f"for {description} it returned {got}, expected {want}")
     return verdict(name, None)
+
+
+def check_rejection_sample(rejection_sample) -> bool:
+    """Check a learner's batched rejection sampler, vLLM's interface (radarlab.sample.rejection_sampler.
+    rejection_sample is the reference): rejection_sample(draft_token_ids [N], cu_num_draft_tokens [B],
+    draft_probs [N, V] or None, target_probs [N, V], bonus_token_ids [B, 1], is_greedy [B], generators
+    [B]) -> [B, max_k + 1] tokens padded with -1. A greedy batch with known answers first (request b's
+    rows found through cu_num_draft_tokens, the bonus taken from bonus_token_ids, -1 padding), then
+    chi-square tests on a stochastic batch of many requests: the first emitted token against p_0, the
+    second (after an accepted first draft) against p_1, the bonus against the law it was drawn from."""
+    import torch
+
+    from radarlab.lab.chi_square import chi_square_test
+
+    name = "rejection_sample"
+
+    def run(drafts, target, draft_probs, bonus, greedy, generators, description):
+        counts = torch.tensor([len(d) for d in drafts])
+        flat = torch.tensor([t for d in drafts for t in d], dtype=torch.long)
+        got, problem = call_learner(lambda: rejection_sample(
+            flat, counts.cumsum(0), None if draft_probs is None else draft_probs.clone(), target.clone(),
+            torch.tensor(bonus, dtype=torch.long)[:, None], list(greedy), generators), description)
+        if problem:
+            return None, problem
+        width = max(len(d) for d in drafts) + 1
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (len(drafts), width):
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return None, (f"for {description} it returned {shape}; expected a tensor of shape "
+                          f"[{len(drafts)}, {width}] (B requests, the most drafts + 1), padded with -1")
+        return got.long().tolist(), None
+
+    def one_hot(tokens, vocab=8):
+        return torch.nn.functional.one_hot(torch.tensor(tokens), vocab).double()
+
+    # greedy: p one-hot on the target's choice at each draft position; bonus ids given apart
+    drafts = [[1, 5, 3], [], [5, 0], [4]]
+    target = one_hot([1, 2, 3, 5, 0, 4])  # rows: request 0's three, request 2's two, request 3's one
+    bonus = [7, 6, 2, 3]
+    want = [[1, 2, -1, -1], [6, -1, -1, -1], [5, 0, 2, -1], [4, 3, -1, -1]]
+    description = ("a greedy batch with drafts [[1, 5, 3], [], [5, 0], [4]], the target's argmax at the "
+                   "draft positions [1, 2, 3 | 5, 0 | 4] and bonus tokens [7, 6, 2, 3]")
+    got, problem = run(drafts, target, None, bonus, [True] * 4, [None] * 4, description)
+    if problem:
+        return verdict(name, problem)
+    if got != want:
+        bad = next(b for b in range(4) if got[b] != want[b])
+        return verdict(name, f"for {description} request {bad} got {got[bad]}, expected {want[bad]} "
+                             f"({_greedy_hint(got[bad], want[bad], drafts[bad], bad)})")
+    # stochastic: many requests of two drafts, every row different, each with its own generator
+    p = torch.tensor([[0.40, 0.25, 0.15, 0.10, 0.06, 0.04], [0.05, 0.10, 0.15, 0.20, 0.20, 0.30]],
+                     dtype=torch.float64)
+    bonus_law = torch.tensor([0.30, 0.05, 0.30, 0.05, 0.20, 0.10], dtype=torch.float64)
+    q = torch.tensor([[0.30, 0.30, 0.20, 0.10, 0.05, 0.05], [0.10, 0.10, 0.10, 0.20, 0.20, 0.30]],
+                     dtype=torch.float64)
+    n = 4000
+    gen = torch.Generator().manual_seed(0)
+    drafts = [[int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)] for _ in range(n)]
+    bonus = torch.multinomial(bonus_law, n, replacement=True, generator=gen).tolist()
+    description = f"{n} stochastic requests of 2 drafts with p, q and the bonus law all different"
+
+    def generators():
+        return [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+    got, problem = run(drafts, p.repeat(n, 1), q.repeat(n, 1), bonus, [False] * n, generators(), description)
+    if problem:
+        return verdict(name, problem)
+    again, _ = run(drafts, p.repeat(n, 1), q.repeat(n, 1), bonus, [False] * n, generators(), description)
+    if again != got:
+        return verdict(name, f"for {description}, run twice with the same seeded generators, it gave "
+                             "different tokens: draw every random number from generators[b], the "
+                             "request's own")
+    laws = [(0, p[0], "first emitted token", "on rejection, draw from max(0, p - q) renormalised"),
+            (1, p[1], "second emitted token (after an accepted first draft)",
+             "position 1 is judged with row 1 of p and of q (request b's rows start at "
+             "cu_num_draft_tokens[b - 1])"),
+            (2, bonus_law, "third emitted token (after both drafts were accepted)",
+             "after all drafts are accepted, emit bonus_token_ids[b]")]
+    for pos, law, what, hint in laws:
+        counts = torch.zeros(len(law), dtype=torch.long)
+        for row in got:
+            if len(row) > pos and row[pos] != -1:
+                counts[row[pos]] += 1
+        _, pvalue = chi_square_test(counts, law)
+        if pvalue < 1e-3:
+            total = int(counts.sum())
+            freq = [round(float(c) / max(total, 1), 3) for c in counts]
+            expected = [round(float(x), 3) for x in law]
+            return verdict(name, f"for {description} the {what} had frequencies {freq} over {total} "
+                                 f"requests, not {expected} (chi-square p-value {pvalue:.1e}): {hint}")
+    return verdict(name, None)
+
+
+def _greedy_hint(got: list[int], want: list[int], drafts: list[int], b: int) -> str:
+    """What a wrong row of the greedy case most likely got wrong."""
+    tokens = [t for t in got if t != -1]
+    if tokens == [t for t in want if t != -1]:
+        return "the tokens are right: pad the rest of the row with -1"
+    if not drafts:
+        return "a request without drafts emits its bonus token alone"
+    accepted_all = want[len(drafts)] != -1
+    if accepted_all and tokens[:len(drafts)] == drafts:
+        return ("after all its drafts are accepted a request emits bonus_token_ids[b], for which "
+                "target_probs has no row")
+    if tokens == want[:len(tokens)]:
+        return "at the first mismatch emit the target's own token (the argmax), then stop"
+    return (f"request {b}'s rows are target_probs[cu_num_draft_tokens[{b - 1}]:cu_num_draft_tokens[{b}]]: "
+            "cu_num_draft_tokens counts the drafts of requests 0 .. b" if b else
+            "accept drafts while they equal the argmax, then emit the argmax and stop")

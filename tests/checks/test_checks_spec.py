@@ -1,11 +1,18 @@
 """The checkers of notebook 08: radarlab's references pass, a stub and plausible wrong answers fail."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
-from radarlab.checks import check_expected_tokens_per_step, check_ngram_draft, check_verify_stochastic
-from radarlab.sample.rejection_sampler import verify_stochastic
+from radarlab.checks import (
+    check_expected_tokens_per_step,
+    check_ngram_draft,
+    check_rejection_sample,
+    check_verify_stochastic,
+)
+from radarlab.sample.rejection_sampler import rejection_sample, verify_stochastic
 from radarlab.spec_decode.ngram import ngram_draft
 from radarlab.spec_decode.theory import expected_tokens_per_step
 
@@ -114,3 +121,104 @@ def shortest_first(tokens, lo, hi, k):
 ])
 def test_ngram_checker(verdict, fn, words):
     verdict(check_ngram_draft, fn, words)
+
+
+# --- rejection_sample: the engine's batched sampler, vLLM's interface -------------------------------
+
+@dataclass
+class Req:
+    """One request of a batch, as a per-request rule sees it: its drafts, its rows of p and q, its bonus
+    token, whether it is greedy and its generator; `all_p` is the whole target_probs."""
+    drafts: list
+    p: torch.Tensor
+    q: torch.Tensor | None
+    bonus: int
+    greedy: bool
+    gen: torch.Generator | None
+    all_p: torch.Tensor
+
+
+def _batched(rule):
+    """A batched sampler (vLLM's interface) from a per-request rule(Req) -> tokens."""
+    def sample(draft_token_ids, cu, draft_probs, target_probs, bonus_token_ids, is_greedy, generators):
+        ends = [int(c) for c in cu]
+        starts = [0] + ends[:-1]
+        out = torch.full((len(ends), max(e - s for s, e in zip(starts, ends)) + 1), -1, dtype=torch.long)
+        for b, (lo, hi) in enumerate(zip(starts, ends)):
+            req = Req(draft_token_ids[lo:hi].tolist(), target_probs[lo:hi],
+                      None if draft_probs is None else draft_probs[lo:hi], int(bonus_token_ids[b, 0]),
+                      is_greedy[b], generators[b], target_probs)
+            tokens = rule(req)
+            out[b, :len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return out
+    return sample
+
+
+def _judge(r: Req, p=None, gen="own", resample_from_p=False):
+    """(tokens, rejected) for the drafts of r, greedy or stochastic, with p (default r.p) as the target."""
+    p = r.p if p is None else p
+    out = []
+    for i, x in enumerate(r.drafts):
+        if r.greedy:
+            out.append(int(p[i].argmax()))
+            if out[-1] != x:
+                return out, True
+            continue
+        qi = r.q[i] if r.q is not None else torch.zeros(p.shape[1], dtype=p.dtype).scatter_(
+            0, torch.tensor([x]), 1.0)
+        g = r.gen if gen == "own" else None
+        if qi[x] > 0 and torch.rand((), generator=g) * qi[x] < p[i, x]:
+            out.append(x)
+            continue
+        dist = p[i] if resample_from_p else (p[i] - qi).clamp_min(0)
+        return out + [int(torch.multinomial(dist / dist.sum(), 1, generator=g))], True
+    return out, False
+
+
+def _with_bonus(tokens_rejected, bonus):
+    tokens, rejected = tokens_rejected
+    return tokens if rejected else tokens + [bonus]
+
+
+@_batched
+def _rows_of_request_0(r):  # every request reads the first rows of target_probs: cu_num_draft_tokens ignored
+    return _with_bonus(_judge(r, p=r.all_p[:len(r.drafts)]), r.bonus)
+
+
+@_batched
+def _bonus_from_the_last_draft_row(r):
+    return _with_bonus(_judge(r), int(r.p[-1].argmax()) if r.drafts else r.bonus)
+
+
+@_batched
+def _no_correction(r):  # at a rejection, drops the target's own token
+    tokens, rejected = _judge(r)
+    return tokens[:-1] if rejected else tokens + [r.bonus]
+
+
+@_batched
+def _resamples_from_p(r):
+    return _with_bonus(_judge(r, resample_from_p=True), r.bonus)
+
+
+@_batched
+def _global_random_numbers(r):  # ignores the request's generator
+    return _with_bonus(_judge(r, gen=None), r.bonus)
+
+
+def _lists_not_a_tensor(*args):
+    return rejection_sample(*args).tolist()
+
+
+@pytest.mark.parametrize("fn, words", [
+    (rejection_sample, None),
+    (_batched(lambda r: _with_bonus(_judge(r), r.bonus)), None),  # the rule written out again passes too
+    (_rows_of_request_0, "request 2's rows are target_probs[cu_num_draft_tokens[1]:cu_num_draft_tokens[2]]"),
+    (_bonus_from_the_last_draft_row, "emits bonus_token_ids[b], for which target_probs has no row"),
+    (_no_correction, "at the first mismatch emit the target's own token"),
+    (_resamples_from_p, "on rejection, draw from max(0, p - q) renormalised"),
+    (_global_random_numbers, "draw every random number from generators[b]"),
+    (_lists_not_a_tensor, "expected a tensor of shape [4, 4]"),
+])
+def test_rejection_sample_checker(verdict, fn, words):
+    verdict(check_rejection_sample, fn, words)
