@@ -132,14 +132,20 @@ def rejection_sample(draft_token_ids: torch.Tensor, cu_num_draft_tokens: torch.T
         raise ValueError(f"{num} requests (cu_num_draft_tokens) need bonus_token_ids [B, 1], is_greedy and "
                          f"generators of B = {num}; got {tuple(bonus_token_ids.shape)}, {len(is_greedy)}, "
                          f"{len(generators)}")
+    total = ends[-1] if ends else 0
+    if draft_token_ids.shape != (total,) or target_probs.shape[0] != total:
+        raise ValueError(f"cu_num_draft_tokens counts {total} drafts: draft_token_ids must be [{total}] and "
+                         f"target_probs [{total}, V]; got {tuple(draft_token_ids.shape)}, "
+                         f"{tuple(target_probs.shape)}")
     starts = [0] + ends[:-1]
     max_k = max([e - s for s, e in zip(starts, ends)], default=0)
     out = torch.full((num, max_k + 1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
     target_probs = target_probs.detach().float().cpu()
+    draft_probs = None if draft_probs is None else draft_probs.detach().float().cpu()
     for b, (lo, hi) in enumerate(zip(starts, ends)):
         drafts = draft_token_ids[lo:hi].tolist()
-        p, q = target_probs[lo:hi], None if draft_probs is None else draft_probs[lo:hi].detach().float().cpu()
-        _check(hi - lo + 1, drafts, q, target_probs.shape[-1])
+        p, q = target_probs[lo:hi], None if draft_probs is None else draft_probs[lo:hi]
+        _check(hi - lo + 1, drafts, q, target_probs.shape[-1])  # vocabulary and q's shape
         if is_greedy[b]:
             tokens, rejected = _accept_greedy(p, drafts)
         else:

@@ -103,6 +103,9 @@ def test_batched_bad_shapes_raise():
     with pytest.raises(ValueError, match="bonus_token_ids"):
         rejection_sample(torch.tensor([1]), torch.tensor([1]), None, torch.zeros(1, 4), torch.zeros(2, 1),
                          [True], [None])
+    with pytest.raises(ValueError, match="counts 3 drafts: draft_token_ids must be \\[3\\]"):
+        rejection_sample(torch.tensor([1, 2]), torch.tensor([1, 3]), None, torch.zeros(2, 4),
+                         torch.zeros(2, 1), [True, True], [None, None])
 
 
 def test_bad_input_raises():
