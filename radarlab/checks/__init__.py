@@ -13,6 +13,7 @@ from radarlab.checks.nb02_contiguous_cache import (
 )
 from radarlab.checks.nb03_paged_cache import (
     check_append_with_cow,
+    check_block_pool,
     check_ref_count_allocator,
     check_slot_mapping,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "check_slot_mapping",
     "check_ref_count_allocator",
     "check_append_with_cow",
+    "check_block_pool",
     "check_reshape_and_cache",
     "check_store_kv_kernel",
     "check_online_softmax_update",

@@ -265,3 +265,197 @@ def check_append_with_cow(append_with_cow) -> bool:
                 return verdict(name, f"for {state} the free list became {list(mine.free_block_ids)}; "
                                      f"expected {list(alloc.free_block_ids)}")
     return verdict(name, None)
+
+
+def _pool_script():
+    """check_block_pool's hand-written script on a pool of 5 blocks: (call, args, the rule it tests).
+    Hash names stand for real chain hashes; X is never cached."""
+    return [
+        ("allocate_many", (3,), "a fresh pool hands out blocks from the front of its free list"),
+        ("cache_full_block", (0, "A"), "a full block is registered under its hash"),
+        ("cache_full_block", (1, "B"), "a full block is registered under its hash"),
+        ("cache_full_block", (2, "C"), "a full block is registered under its hash"),
+        ("allocate", (), "the next fresh block"),
+        ("cache_full_block", (3, "A"), "another block (0) already holds A: the first one stays the cached "
+                                       "one, and this call returns False"),
+        ("find_longest_cache_hit", (["A", "B", "C"],), "every hash of the chain is cached"),
+        ("find_longest_cache_hit", (["A", "X", "C"],), "stop at the first miss: block i's hash names blocks "
+                                                       "0..i, so nothing after a miss can be a prefix hit"),
+        ("free", (3,), "a block that holds nothing cached goes back to the free list"),
+        ("free", (2,), "a freed block that holds cached content stays findable (evictable) until it is "
+                       "evicted"),
+        ("free", (0,), "a freed block that holds cached content stays findable"),
+        ("free", (1,), "a freed block that holds cached content stays findable"),
+        ("free", (1,), "block 1's count is already 0: a double free raises ValueError"),
+        ("incref", (0,), "a prefix-cache hit on a free cached block revives it: it leaves the evictable "
+                         "set, so it is no longer free"),
+        ("incref", (3,), "block 3 is free and holds nothing cached: incref raises ValueError (allocate it "
+                         "instead)"),
+        ("allocate_many", (2,), "never-cached free blocks go first; a cached block is evicted only when "
+                                "none is left"),
+        ("allocate", (), "with no never-cached block left, evict the least recently freed cached block "
+                         "(2, freed before 1) and forget its hash"),
+        ("allocate_many", (3,), "only 1 block is free: raise NoFreeBlocks before taking any (all or "
+                                "nothing)"),
+        ("allocate", (), "evict the last cached free block, 1, and forget its hash"),
+        ("free", (0,), "block 0 still holds A: it becomes evictable again"),
+        ("cache_full_block", (4, "B"), "B was forgotten when block 1 was evicted, so block 4 can hold it"),
+    ]
+
+
+def _pool_random_script(rng, num_blocks: int, hashes: dict, length: int) -> list[tuple]:
+    """A random run of valid pool calls, planned on radarlab's BlockPool as it goes."""
+    from radarlab.kvcache.block_pool import BlockPool
+
+    plan, script, names = BlockPool(num_blocks, 4), [], sorted(hashes)
+    for _ in range(length):
+        held = [b for b in range(num_blocks) if plan.ref_counts[b] > 0]
+        uncached_held = [b for b in held if plan.block_hashes[b] is None]
+        roll = rng.random()
+        if roll < 0.3 and plan.num_free_blocks:
+            call = ("allocate_many", (rng.randint(1, min(3, plan.num_free_blocks)),))
+        elif roll < 0.55 and held:
+            call = ("free", (rng.choice(held),))
+        elif roll < 0.7 and (held or plan.evictable):
+            call = ("incref", (rng.choice(held + list(plan.evictable)),))
+        elif roll < 0.85 and uncached_held:
+            call = ("cache_full_block", (rng.choice(uncached_held), rng.choice(names)))
+        else:
+            call = ("find_longest_cache_hit", (rng.sample(names, rng.randint(1, 3)),))
+        script.append((*call, None))
+        _pool_call(plan, call[0], call[1], hashes)
+    return script
+
+
+def _pool_call(pool, method: str, args: tuple, hashes: dict):
+    """Run one call with hash names turned into hashes; errors come back as their class name."""
+    from radarlab.kvcache.block_pool import NoFreeBlocks
+
+    real = tuple([hashes[a] for a in arg] if isinstance(arg, list) else hashes.get(arg, arg)
+                 if isinstance(arg, str) else arg for arg in args)
+    try:
+        out = getattr(pool, method)(*real)
+    except NotImplementedError:
+        raise
+    except (NoFreeBlocks, ValueError) as err:
+        return type(err).__name__
+    if isinstance(out, (list, tuple)):
+        return [int(b) for b in out]
+    return int(out) if hasattr(out, "__index__") and not isinstance(out, bool) else out
+
+
+def _pool_state(pool, num_blocks: int, hashes: dict) -> dict:
+    """What the KV cache manager can see of a pool: counts, free blocks, and where each hash is cached."""
+    return {"ref_count per block": [int(pool.ref_count(b)) for b in range(num_blocks)],
+            "num_free_blocks": int(pool.num_free_blocks),
+            "cached": {name: [int(b) for b in pool.find_longest_cache_hit([h])]
+                       for name, h in hashes.items()}}
+
+
+def _describe_call(method: str, args: tuple) -> str:
+    return f"{method}({', '.join(repr(a) if isinstance(a, list) else str(a) for a in args)})"
+
+
+def check_block_pool(pool_cls) -> bool:
+    """Check a learner's block pool class (BlockPool's allocate_many, incref, free,
+    find_longest_cache_hit and cache_full_block) against radarlab's BlockPool.
+
+    A hand-written script where each call tests one rule, then random runs, then a prefix-cached
+    workload through KVCacheManager(block_pool_cls=pool_cls). After every call the return value (or
+    the error), the ref counts, the number of free blocks and where each hash is found must match."""
+    import random
+
+    from radarlab.kvcache.block_pool import BlockPool, hash_block_tokens
+
+    name = "block_pool"
+    hashes = {n: hash_block_tokens(None, [ord(n)]) for n in "ABCDEFX"}
+    rng = random.Random(3)
+    runs = [("", 5, _pool_script())]
+    runs += [("in a random run of pool calls: ", 8, _pool_random_script(rng, 8, hashes, 60))
+             for _ in range(4)]
+    for where, num_blocks, script in runs:
+        ref = BlockPool(num_blocks, 4)
+        try:
+            mine = pool_cls(num_blocks, 4, True)
+        except NotImplementedError:
+            return verdict(name, "the class is not written yet (it raises NotImplementedError)")
+        except Exception as err:
+            return verdict(name, f"creating it as pool_cls(num_blocks={num_blocks}, block_size=4, "
+                                 f"enable_prefix_caching=True) raised {type(err).__name__}: {err}")
+        history: list[str] = []
+        for method, args, rule in script:
+            want = _pool_call(ref, method, args, hashes)
+            call = _describe_call(method, args)
+            shown = ", ".join(history[-6:])
+            before = (f"after {'... ' if len(history) > 6 else ''}{shown}" if history
+                      else f"on a fresh pool of {num_blocks} blocks")
+            try:
+                got = _pool_call(mine, method, args, hashes)
+            except NotImplementedError:
+                return verdict(name, f"{method} is not written yet (it raises NotImplementedError)")
+            except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+                return verdict(name, f"{where}{before}: {call} raised {type(err).__name__}: {err}; expected "
+                                     f"{_said(want)}")
+            hint = f" ({rule})" if rule else ""
+            if got != want:
+                return verdict(name, f"{where}{before}: {call} {_said(got, past=True)}, expected "
+                                     f"{_said(want)}{hint}")
+            got_state, want_state = (_pool_state(p, num_blocks, hashes) for p in (mine, ref))
+            for what in want_state:
+                if got_state[what] != want_state[what]:
+                    shown = got_state[what], want_state[what]
+                    if what == "cached":  # only the hashes that differ
+                        diff = [h for h in want_state[what] if got_state[what][h] != want_state[what][h]]
+                        shown = tuple({h: s[what][h] for h in diff} for s in (got_state, want_state))
+                        what = "find_longest_cache_hit([h]) per hash"
+                    return verdict(name, f"{where}{before}, then {call}: {what} is {shown[0]}, expected "
+                                         f"{shown[1]}{hint}")
+            history.append(call)
+    problem = _check_pool_in_manager(pool_cls)
+    return verdict(name, problem)
+
+
+def _said(value, past: bool = False) -> str:
+    if value in ("NoFreeBlocks", "ValueError"):
+        return f"{'raised' if past else 'to raise'} {value}"
+    return f"{'returned' if past else ''} {value!r}".strip()
+
+
+def _check_pool_in_manager(pool_cls) -> str | None:
+    """Requests with shared prefixes served one after another through KVCacheManager on the learner's
+    pool and on BlockPool, in a pool small enough to evict: the same block tables and hit counts."""
+    import random
+
+    from radarlab.kvcache.block_pool import BlockPool, NoFreeBlocks
+    from radarlab.kvcache.kv_cache_manager import KVCacheManager
+    from radarlab.kvcache.sequence import Sequence
+
+    rng = random.Random(5)
+    prefixes = [[rng.randrange(100, 999) for _ in range(12)] for _ in range(4)]
+    managers = [KVCacheManager(14, 4, block_pool_cls=cls) for cls in (BlockPool, pool_cls)]
+    live: list[str] = []
+    for i in range(40):
+        prompt = rng.choice(prefixes)[:rng.randint(4, 12)] + [rng.randrange(100, 999) for _ in range(3)]
+        seq_id = f"r{i}"
+        tables = []
+        for m in managers:
+            try:
+                m.allocate(Sequence(seq_id, prompt))
+                tables.append(m.get_block_table(seq_id))
+            except NoFreeBlocks:
+                tables.append("NoFreeBlocks")
+        if tables[0] != tables[1]:
+            return (f"on KVCacheManager(14 blocks of 4) with your pool, request {i} of a prefix-sharing "
+                    f"workload got block table {tables[1]}, BlockPool gives {tables[0]}")
+        if tables[0] != "NoFreeBlocks":
+            live.append(seq_id)
+        while len(live) > 2 or (live and rng.random() < 0.4):
+            gone = live.pop(0)
+            for m in managers:
+                m.free(gone)
+    stats = [(m.prefix_cache_stats.queries, m.prefix_cache_stats.hits) for m in managers]
+    if stats[0] != stats[1]:
+        return (f"on KVCacheManager with your pool, a prefix-sharing workload counted (queries, hits) = "
+                f"{stats[1]}, BlockPool {stats[0]}")
+    return None
+

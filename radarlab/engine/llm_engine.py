@@ -27,6 +27,7 @@ import torch
 from radarlab.engine.model_runner import ModelRunner
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.scheduler import Scheduler, SchedulerOutput
+from radarlab.kvcache.block_pool import BlockPool
 from radarlab.kvcache.kv_cache_manager import KVCacheManager
 from radarlab.kvcache.paged_cache import PagedKVCache, num_blocks_for_budget
 from radarlab.kvcache.sequence import as_token_ids
@@ -62,7 +63,7 @@ class Engine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
-                 rejection_sampler=rejection_sample) -> None:
+                 rejection_sampler=rejection_sample, block_pool_cls=BlockPool) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -72,7 +73,8 @@ class Engine:
         KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
         they can be built; the model's own are Llama.use_cpu_ops). rejection_sampler verifies a step's
         drafts: radarlab.sample.rejection_sampler.rejection_sample or anything with its signature
-        (vLLM's), such as a learner's own."""
+        (vLLM's), such as a learner's own; block_pool_cls makes the KV cache manager's BlockPool (a
+        learner's own class with BlockPool's methods works too)."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -92,7 +94,7 @@ class Engine:
                              f"blocks of {block_size} hold {pool_tokens} tokens; give more blocks (or "
                              f"kv_cache_bytes) or a smaller max_model_len")
         self.model = model
-        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching, block_pool_cls)
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype,
                                             device=param.device, backend=backend,
                                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,

@@ -93,10 +93,14 @@ class AllocStatus(enum.Enum):
 
 
 class KVCacheManager:
-    """Block tables of all live sequences over one BlockPool."""
+    """Block tables of all live sequences over one BlockPool.
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
-        self.block_pool = BlockPool(num_blocks, block_size, enable_prefix_caching)
+    block_pool_cls makes the pool, called as block_pool_cls(num_blocks, block_size, enable_prefix_caching):
+    BlockPool, or a class of a learner's own with its methods (notebook 03 runs the engine on one)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 block_pool_cls: type[BlockPool] = BlockPool) -> None:
+        self.block_pool = block_pool_cls(num_blocks, block_size, enable_prefix_caching)
         self.block_size = block_size
         self.block_tables: dict[SeqId, KVCacheBlocks] = {}
 

@@ -5,8 +5,13 @@ from collections import deque
 
 import pytest
 
-from radarlab.checks import check_append_with_cow, check_ref_count_allocator, check_slot_mapping
-from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.checks import (
+    check_append_with_cow,
+    check_block_pool,
+    check_ref_count_allocator,
+    check_slot_mapping,
+)
+from radarlab.kvcache.block_pool import BlockPool, NoFreeBlocks
 
 
 def slot_mapping(block_table, block_size, start, n):
@@ -205,3 +210,172 @@ def test_append_with_cow_solution_passes(verdict):
 ])
 def test_append_with_cow_mistakes(verdict, fn, message):
     verdict(check_append_with_cow, fn, message)
+
+
+# --- block_pool (the main exercise): BlockPool's five methods written again on its own state -----------
+
+class Pool(BlockPool):
+    """A learner's solution: BlockPool's state and helpers, the five methods of the exercise rewritten."""
+
+    def allocate_many(self, n):
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks(f"need {n}, {self.num_free_blocks} free")
+        out = []
+        for _ in range(n):
+            if self.free_block_ids:
+                block_id = self.free_block_ids.popleft()
+            else:
+                block_id = next(iter(self.evictable))
+                del self.evictable[block_id]
+                self._drop_hash(block_id)
+            self.ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+    def incref(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            if block_id not in self.evictable:
+                raise ValueError(f"block {block_id} is free")
+            del self.evictable[block_id]
+        self.ref_counts[block_id] += 1
+
+    def free(self, block_id):
+        if self.ref_counts[block_id] == 0:
+            raise ValueError(f"double free of {block_id}")
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] == 0:
+            if self.block_hashes[block_id] is None:
+                self.free_block_ids.append(block_id)
+            else:
+                self.evictable[block_id] = None
+
+    def find_longest_cache_hit(self, block_hashes):
+        hit = []
+        for h in block_hashes:
+            if h not in self.cached_block_ids:
+                break
+            hit.append(self.cached_block_ids[h])
+        return hit
+
+    def cache_full_block(self, block_id, block_hash):
+        if block_hash in self.cached_block_ids:
+            return False
+        self.block_hashes[block_id] = block_hash
+        self.cached_block_ids[block_hash] = block_id
+        return True
+
+
+class _FreeForgetsCache(Pool):  # a freed block always returns to the free list, its content forgotten
+    def free(self, block_id):
+        super().free(block_id)
+        if block_id in self.evictable:
+            del self.evictable[block_id]
+            self._drop_hash(block_id)
+            self.free_block_ids.append(block_id)
+
+
+class _EvictsNewest(Pool):  # evicts the most recently freed cached block
+    def allocate_many(self, n):
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks("short")
+        out = []
+        for _ in range(n):
+            if self.free_block_ids:
+                block_id = self.free_block_ids.popleft()
+            else:
+                block_id, _ = self.evictable.popitem(last=True)
+                self._drop_hash(block_id)
+            self.ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+
+class _IncrefLeavesEvictable(Pool):  # a revived block stays in the evictable set: it could be handed out
+    def incref(self, block_id):
+        if self.ref_counts[block_id] == 0 and block_id not in self.evictable:
+            raise ValueError(f"block {block_id} is free")
+        self.ref_counts[block_id] += 1
+
+
+class _SkipsMisses(Pool):  # keeps looking after a miss
+    def find_longest_cache_hit(self, block_hashes):
+        return [self.cached_block_ids[h] for h in block_hashes if h in self.cached_block_ids]
+
+
+class _EvictsFirst(Pool):  # takes a cached free block before a never-cached one
+    def allocate_many(self, n):
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks("short")
+        out = []
+        for _ in range(n):
+            if self.evictable:
+                block_id, _ = self.evictable.popitem(last=False)
+                self._drop_hash(block_id)
+            else:
+                block_id = self.free_block_ids.popleft()
+            self.ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+
+class _Partial(Pool):  # takes what there is before finding out it is not enough
+    def allocate_many(self, n):
+        taken = super().allocate_many(min(n, self.num_free_blocks))
+        if len(taken) < n:
+            raise NoFreeBlocks("short")
+        return taken
+
+
+class _KeepsEvictedHash(Pool):  # evicts a block but leaves its hash pointing at it
+    def allocate_many(self, n):
+        if n > self.num_free_blocks:
+            raise NoFreeBlocks("short")
+        out = []
+        for _ in range(n):
+            if self.free_block_ids:
+                block_id = self.free_block_ids.popleft()
+            else:
+                block_id, _ = self.evictable.popitem(last=False)
+            self.ref_counts[block_id] = 1
+            out.append(block_id)
+        return out
+
+
+class _RecachesDuplicate(Pool):  # a second block with the same content replaces the cached one
+    def cache_full_block(self, block_id, block_hash):
+        self.block_hashes[block_id] = block_hash
+        self.cached_block_ids[block_hash] = block_id
+        return True
+
+
+def test_block_pool_solution_passes(verdict):
+    verdict(check_block_pool, Pool)
+
+
+def test_block_pool_passes_radarlabs_own(verdict):
+    verdict(check_block_pool, BlockPool)
+
+
+@pytest.mark.parametrize("cls,message", [
+    (_FreeForgetsCache, "a freed block that holds cached content stays findable"),
+    (_EvictsNewest, "evict the least recently freed cached block (2, freed before 1)"),
+    (_IncrefLeavesEvictable, "num_free_blocks is 5, expected 4 (a prefix-cache hit on a free cached block "
+                             "revives it"),
+    (_SkipsMisses, "find_longest_cache_hit(['A', 'X', 'C']) returned [0, 2], expected [0] (stop at the first "
+                   "miss"),
+    (_EvictsFirst, "never-cached free blocks go first"),
+    (_Partial, "raise NoFreeBlocks before taking any (all or nothing)"),
+    (_KeepsEvictedHash, "and forget its hash"),
+    (_RecachesDuplicate, "the first one stays the cached one, and this call returns False"),
+])
+def test_block_pool_mistakes(verdict, cls, message):
+    verdict(check_block_pool, cls, message)
+
+
+def test_block_pool_class_that_cannot_be_made(verdict):
+    class NeedsMore(Pool):
+        def __init__(self, num_blocks):
+            super().__init__(num_blocks, 4)
+
+    verdict(check_block_pool, NeedsMore, "creating it as pool_cls(num_blocks=5, block_size=4, "
+                                         "enable_prefix_caching=True) raised TypeError")

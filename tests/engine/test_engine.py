@@ -69,6 +69,31 @@ def test_prefix_cache_is_used_and_outputs_unchanged(tiny):
     assert engine.manager.prefix_cache_stats.hit_rate > 0.5
 
 
+def test_the_engine_runs_on_the_block_pool_it_is_given(tiny):
+    """Engine(block_pool_cls=...) is notebook 03's seam: the manager's pool is made by that class, and
+    the same calls give the same blocks, tokens and hits as radarlab's BlockPool."""
+    from radarlab.kvcache.block_pool import BlockPool
+
+    class CountingPool(BlockPool):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.calls = 0
+
+        def allocate_many(self, n):
+            self.calls += 1
+            return super().allocate_many(n)
+
+    prompts = random_prompts(6, lo=3, hi=9, seed=5, shared_prefix=32)
+    runs = []
+    for cls in (BlockPool, CountingPool):
+        engine = Engine(tiny, num_blocks=24, block_size=4, max_num_seqs=2, block_pool_cls=cls)
+        out = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))]
+        stats = engine.manager.prefix_cache_stats
+        runs.append((out, stats.queries, stats.hits))
+    assert type(engine.manager.block_pool) is CountingPool and engine.manager.block_pool.calls > 6
+    assert runs[0] == runs[1] and runs[0][2] > 0
+
+
 def test_stream_yields_the_generated_tokens_in_order(tiny, workload):
     prompts, ref = workload
     engine = Engine(tiny, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
