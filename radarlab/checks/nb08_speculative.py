@@ -317,4 +317,5 @@ def _greedy_hint(got: list[int], want: list[int], drafts: list[int], b: int) -> 
         return "at the first mismatch emit the target's own token (the argmax), then stop"
     return (f"request {b}'s rows are target_probs[cu_num_draft_tokens[{b - 1}]:cu_num_draft_tokens[{b}]]: "
             "cu_num_draft_tokens counts the drafts of requests 0 .. b" if b else
-            "accept drafts while they equal the argmax, then emit the argmax and stop")
+            "draft i is judged with the request's row i: accept drafts while they equal that row's argmax, "
+            "then emit the argmax and stop")

@@ -232,6 +232,14 @@ def _rows_of_request_0(r):  # every request reads the first rows of target_probs
 
 
 @_batched
+def _row_0_for_every_position(r):  # judges every draft of a request with its first row of p and q
+    k = len(r.drafts)
+    first = Req(r.drafts, r.p[:1].expand(k, -1), None if r.q is None else r.q[:1].expand(k, -1), r.bonus,
+                r.greedy, r.gen, r.all_p)
+    return _with_bonus(_judge(first), r.bonus)
+
+
+@_batched
 def _bonus_from_the_last_draft_row(r):
     return _with_bonus(_judge(r), int(r.p[-1].argmax()) if r.drafts else r.bonus)
 
@@ -260,6 +268,8 @@ def _lists_not_a_tensor(*args):
     (rejection_sample, None),
     (_batched(lambda r: _with_bonus(_judge(r), r.bonus)), None),  # the rule written out again passes too
     (_rows_of_request_0, "request 2's rows are target_probs[cu_num_draft_tokens[1]:cu_num_draft_tokens[2]]"),
+    (_row_0_for_every_position, "request 0 got [1, 1, -1, -1], expected [1, 2, -1, -1] (draft i is judged "
+                                "with the request's row i"),
     (_bonus_from_the_last_draft_row, "emits bonus_token_ids[b], for which target_probs has no row"),
     (_no_correction, "at the first mismatch emit the target's own token"),
     (_resamples_from_p, "on rejection, draw from max(0, p - q) renormalised"),
