@@ -8,8 +8,9 @@ def check_rms_norm(rms_norm) -> bool:
     """Check a learner's rms_norm(x, weight, eps) against the course model's RMSNorm.
 
     The cases start small enough to work by hand, then cover what trips people up: the weight, the
-    eps inside the square root, a row of zeros, more than two dimensions, and bf16 inputs (the
-    mean must be taken in fp32 and the result returned in the input's dtype)."""
+    eps inside the square root, a row of zeros, more than two dimensions, bf16 inputs (the result
+    is returned in the input's dtype) and fp16 inputs whose squares overflow fp16 (the mean must be
+    taken in fp32)."""
     import torch
 
     from radarlab.models.llama import RMSNorm
@@ -30,13 +31,16 @@ def check_rms_norm(rms_norm) -> bool:
         ("random bfloat16 x of shape (2, 64) times 100 and bfloat16 weight, eps=1e-5",
          (torch.randn(2, 64, generator=gen) * 100).bfloat16(),
          torch.randn(64, generator=gen).bfloat16(), 1e-5),
+        ("random float16 x of shape (2, 64) times 300 and float16 weight, eps=1e-5 (the squares overflow "
+         "float16, whose largest value is 65504: square and average in fp32)",
+         (torch.randn(2, 64, generator=gen) * 300).half(), torch.randn(64, generator=gen).half(), 1e-5),
     ]
     for description, x, weight, eps in cases:
         ref = RMSNorm(x.shape[-1], eps).to(weight.dtype)
         with torch.no_grad():
             ref.weight.copy_(weight)
             want = ref(x)
-        loose = x.dtype == torch.bfloat16
+        loose = x.dtype in (torch.bfloat16, torch.float16)
         x_in, w_in = x.clone(), weight.clone()
         got, problem = call_learner(lambda: rms_norm(x_in, w_in, eps), description)
         if problem:

@@ -26,8 +26,11 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> bool:
         if problem:
             return verdict("kv_bytes_per_token", problem)
         if isinstance(got, bool) or not isinstance(got, (int, float)) or not math.isclose(got, want):
-            hint = " (count both K and V: each layer stores a key and a value per KV head)" \
-                if isinstance(got, (int, float)) and math.isclose(2 * got, want) else ""
+            hints = {want / 2: " (count both K and V: each layer stores a key and a value per KV head)",
+                     want / layers: " (sum over all the layers: every layer keeps its own keys and values)",
+                     want * 8: " (that is bits: bytes_per_value is already in bytes, do not multiply by 8)"}
+            hint = next((h for v, h in hints.items() if isinstance(got, (int, float))
+                         and not isinstance(got, bool) and v != want and math.isclose(got, v)), "")
             return verdict("kv_bytes_per_token", f"for {description} it returned {got!r}, expected "
                                                  f"{want:g}{hint}")
     return verdict("kv_bytes_per_token", None)
@@ -36,6 +39,8 @@ def check_kv_bytes_per_token(kv_bytes_per_token) -> bool:
 def check_max_streams(max_streams) -> bool:
     """Check a learner's max_streams(gpu_mem_gb, weights_gb, gb_per_stream): whole streams whose KV
     fits beside the weights, and 0 (not a negative number) when the weights alone overflow the GPU."""
+    import math
+
     from radarlab.kvcache.memory import kv_gb_per_stream, max_concurrent_streams
 
     fp16 = kv_gb_per_stream(80, 8, 128, 32768, "fp16")
@@ -53,12 +58,19 @@ def check_max_streams(max_streams) -> bool:
         if problem:
             return verdict("max_streams", problem)
         if got != want or isinstance(got, bool):
-            if isinstance(got, (int, float)) and got < 0:
+            number = isinstance(got, (int, float)) and not isinstance(got, bool)
+            if number and got < 0:
                 hint = " (when the weights do not fit, no stream fits: return 0)"
+            elif number and weights >= gpu:
+                hint = " (the weights alone fill the GPU: no memory is left for KV, so return 0)"
             elif isinstance(got, float) and got != int(got):
                 hint = " (a stream needs its whole context: round down to a whole number)"
-            elif isinstance(got, (int, float)) and got > want:
+            elif number and weights > 0 and got == math.floor(gpu / per):
+                hint = " (the weights come first: streams share gpu_mem_gb - weights_gb, not the whole GPU)"
+            elif number and got > want:
                 hint = " (round down: a part of a stream cannot be served)"
+            elif number and got == want - 1 and (gpu - weights) / per == want:
+                hint = " (a stream that exactly fills the memory left still fits)"
             else:
                 hint = ""
             return verdict("max_streams", f"for {description} it returned {got!r}, expected {want}{hint}")

@@ -30,6 +30,8 @@ def check_expected_tokens_per_step(expected_tokens_per_step) -> bool:
                 hint = " (count the target's own token too: a step emits at least 1 token)"
             elif a < 1 and math.isclose(got, 1 + a * k, rel_tol=1e-9):
                 hint = " (draft i counts only if drafts 1..i-1 were accepted too: a^i, not a)"
+            elif math.isclose(got, want - a ** k, rel_tol=1e-9, abs_tol=1e-12):
+                hint = " (the sum runs to a^k: k + 1 terms, the last for a step that accepts all k drafts)"
             else:
                 hint = " (1 + a + a^2 + ... + a^k)"
             return verdict(name, f"for {description} it returned {got:.6g}, expected {want:.6g}{hint}")
@@ -183,6 +185,8 @@ def check_ngram_draft(ngram_draft) -> bool:
          [3, 4, 5, 3, 4], 2, 4, 5),
         ("tokens=[1, 2, 3, 4, 5], min=1, max=3, k=3 (no repeat: no draft)", [1, 2, 3, 4, 5], 1, 3, 3),
         ("tokens=[7, 7, 7, 7], min=1, max=2, k=3 (overlapping matches)", [7, 7, 7, 7], 1, 2, 3),
+        ("tokens=[1, 7, 7, 7], min=2, max=2, k=3 (the earlier [7, 7] at positions 1-2 overlaps the suffix "
+         "at 2-3: it still counts, and token 3 follows it)", [1, 7, 7, 7], 2, 2, 3),
         ("tokens=[1, 2, 3, 9, 2, 3, 1, 2, 3], min=2, max=3, k=2 (the 3-gram [1, 2, 3] beats the later "
          "2-gram)",
          [1, 2, 3, 9, 2, 3, 1, 2, 3], 2, 3, 2),
@@ -313,4 +317,5 @@ def _greedy_hint(got: list[int], want: list[int], drafts: list[int], b: int) -> 
         return "at the first mismatch emit the target's own token (the argmax), then stop"
     return (f"request {b}'s rows are target_probs[cu_num_draft_tokens[{b - 1}]:cu_num_draft_tokens[{b}]]: "
             "cu_num_draft_tokens counts the drafts of requests 0 .. b" if b else
-            "accept drafts while they equal the argmax, then emit the argmax and stop")
+            "draft i is judged with the request's row i: accept drafts while they equal that row's argmax, "
+            "then emit the argmax and stop")

@@ -124,5 +124,8 @@ def check_first_costly_batch(first_costly_batch) -> bool:
             if got == plain_bound:
                 hint = (" (that is where a plain decode step turns compute-bound; a verify step does k + 1 "
                         "tokens of work per byte and turns sooner)")
+            elif want is not None and got == want - 1:
+                hint = (f" (batch {got} is the last whose verify step still costs at most {tol:g} x a decode "
+                        "step: return the first that costs more)")
             return verdict(name, f"for {description} it returned {got!r}, expected {want!r}{hint}")
     return verdict(name, None)

@@ -83,6 +83,11 @@ def _decode_ridge(dims, k, context, peak, bw, dtype, tolerance):  # where plain 
                                                           dtype).intensity >= peak / bw), None)
 
 
+def _last_cheap_batch(dims, k, context, peak, bw, dtype, tolerance):  # off by one: the batch before it
+    first = costly_by_formula(dims, k, context, peak, bw, dtype, tolerance)
+    return None if first is None else first - 1
+
+
 @pytest.mark.parametrize("fn", [reference_first_costly_batch, costly_by_formula])
 def test_costly_reference_and_formula_pass(verdict, fn):
     verdict(check_first_costly_batch, fn)
@@ -91,6 +96,8 @@ def test_costly_reference_and_formula_pass(verdict, fn):
 @pytest.mark.parametrize("fn, words", [
     (_kv_per_token, "expected 3"),
     (_decode_ridge, "plain decode step turns compute-bound"),
+    (_last_cheap_batch, "it returned 2, expected 3 (batch 2 is the last whose verify step still costs at "
+                        "most 1.1 x a decode step: return the first that costs more)"),
 ])
 def test_costly_mistakes_are_described(verdict, fn, words):
     verdict(check_first_costly_batch, fn, words)

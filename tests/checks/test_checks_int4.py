@@ -160,3 +160,18 @@ def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
 ])
 def test_bytes_mistakes_are_described(verdict, fn, words):
     verdict(check_int4_bytes_per_token, fn, words)
+
+
+# --- quantize_group: groups along the wrong axis ---------------------------------------------------
+
+def _strided_groups(x, group_size):  # group j takes every (n / g)-th value, not g consecutive ones
+    n = x.shape[-1]
+    strided = x.reshape(*x.shape[:-1], group_size, n // group_size).transpose(-1, -2).reshape(x.shape)
+    codes, scales, zeros = quantize_group_float32(strided, group_size)
+    codes = codes.reshape(*x.shape[:-1], n // group_size, group_size).transpose(-1, -2).reshape(x.shape)
+    return codes, scales, zeros
+
+
+def test_quantize_group_strided_groups_are_described(verdict):
+    verdict(check_quantize_group, _strided_groups, "for x = [-1, 1, 2, 5], groups of 2, group 1's zero point "
+                                                   "is 1, expected its minimum 2")

@@ -212,6 +212,24 @@ def test_append_with_cow_mistakes(verdict, fn, message):
     verdict(check_append_with_cow, fn, message)
 
 
+# --- slot_mapping: off-by-one positions ------------------------------------------------------------
+def _one_position_late(block_table, block_size, start, n):  # maps positions start + 1 .. start + n
+    return slot_mapping(block_table, block_size, start + 1, n)
+
+
+def _one_position_early(block_table, block_size, start, n):  # maps start - 1 ..: the last computed token
+    return slot_mapping(block_table, block_size, max(0, start - 1), n)
+
+
+@pytest.mark.parametrize("fn,message", [
+    (_one_position_late, "start=0, n=3 (one block) it returned [29, 30, 31], expected [28, 29, 30] (slot = "
+                         "block_table[p // block_size] * block_size + p % block_size)"),
+    (_one_position_early, "start=5, n=1 (one decode step) it returned [20], expected [21]"),
+])
+def test_slot_mapping_off_by_one(verdict, fn, message):
+    verdict(check_slot_mapping, fn, message)
+
+
 # --- block_pool (the main exercise): BlockPool's five methods written again on its own state -----------
 
 class Pool(BlockPool):

@@ -38,6 +38,10 @@ def _returns_fp32(x, weight, eps):
     return reference(x.float(), weight.float(), eps)
 
 
+def _in_input_dtype(x, weight, eps):  # no upcast: squares and mean in fp16 overflow to inf
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
 def _crashes(x, weight, eps):
     raise ValueError("a learner's bug")
 
@@ -52,6 +56,7 @@ def _wrong_shape(x, weight, eps):
     (_wrong_dim, "expected 0.365148"),
     (_in_place, "in place"),
     (_returns_fp32, "dtype torch.float32, expected torch.bfloat16"),
+    (_in_input_dtype, "squares overflow float16, whose largest value is 65504: square and average in fp32"),
     (_crashes, "it raised ValueError: a learner's bug"),
     (_wrong_shape, "shape (4,), expected (1, 4)"),
 ])

@@ -18,10 +18,20 @@ from radarlab.spec_decode.theory import expected_tokens_per_step
 
 # --- expected_tokens_per_step ----------------------------------------------------------------------
 
+def _k_terms(a, k):  # one term short: a^0 .. a^(k - 1), forgetting the step that accepts all k drafts
+    return sum(a ** i for i in range(k))
+
+
+def _closed_form_unguarded(a, k):  # the geometric sum's closed form divides by zero at a = 1
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
 @pytest.mark.parametrize("fn, words", [
     (expected_tokens_per_step, None),
     (lambda a, k: expected_tokens_per_step(a, k) - 1, "target's own token"),  # counts the drafts only
     (lambda a, k: 1 + a * k, "a^i"),  # judges each draft alone
+    (_k_terms, "for a=0.5, k=1 it returned 1, expected 1.5 (the sum runs to a^k"),
+    (_closed_form_unguarded, "for a=1.0, k=5 it raised ZeroDivisionError"),
 ])
 def test_expected_tokens_checker(verdict, fn, words):
     verdict(check_expected_tokens_per_step, fn, words)
@@ -114,10 +124,46 @@ def shortest_first(tokens, lo, hi, k):
     return []
 
 
+def _lookup(tokens, lo, hi, k, last_start):
+    """The prompt-lookup search, trying start positions 0 .. last_start(len(tokens), n)."""
+    total = len(tokens)
+    for n in range(min(hi, total - 1), lo - 1, -1):
+        suffix = tokens[total - n:]
+        for s in range(last_start(total, n) + 1):
+            if tokens[s:s + n] == suffix:
+                return tokens[s + n:s + n + k]
+    return []
+
+
+def no_overlap(tokens, lo, hi, k):
+    """Wrong: an earlier occurrence must end before the suffix starts."""
+    return _lookup(tokens, lo, hi, k, lambda total, n: total - 2 * n)
+
+
+def matches_the_suffix_itself(tokens, lo, hi, k):
+    """Wrong: the search reaches the suffix itself, which matches with nothing after it."""
+    return _lookup(tokens, lo, hi, k, lambda total, n: total - n)
+
+
+def ignores_k(tokens, lo, hi, k):
+    """Wrong: everything that followed the match, not at most k tokens."""
+    return ngram_draft(tokens, lo, hi, len(tokens))
+
+
+def ignores_min(tokens, lo, hi, k):
+    """Wrong: falls back to n-grams shorter than prompt_lookup_min."""
+    return ngram_draft(tokens, 1, hi, k)
+
+
 @pytest.mark.parametrize("fn, words", [
     (ngram_draft, None),
     (last_occurrence, "first one is used"),
     (shortest_first, "longest match wins"),
+    (no_overlap, "overlaps the suffix at 2-3: it still counts, and token 3 follows it) it returned [], "
+                 "expected [7]"),
+    (matches_the_suffix_itself, "(the 2-gram [1, 2] occurred at the start) it returned [], expected [3, 4]"),
+    (ignores_k, "k=2 (the 2-gram [1, 2] occurred at the start) it returned [3, 4, 1, 2], expected [3, 4]"),
+    (ignores_min, "min=2, max=3, k=4 it returned [1, 1, 0, 0], expected []"),
 ])
 def test_ngram_checker(verdict, fn, words):
     verdict(check_ngram_draft, fn, words)
@@ -186,6 +232,14 @@ def _rows_of_request_0(r):  # every request reads the first rows of target_probs
 
 
 @_batched
+def _row_0_for_every_position(r):  # judges every draft of a request with its first row of p and q
+    k = len(r.drafts)
+    first = Req(r.drafts, r.p[:1].expand(k, -1), None if r.q is None else r.q[:1].expand(k, -1), r.bonus,
+                r.greedy, r.gen, r.all_p)
+    return _with_bonus(_judge(first), r.bonus)
+
+
+@_batched
 def _bonus_from_the_last_draft_row(r):
     return _with_bonus(_judge(r), int(r.p[-1].argmax()) if r.drafts else r.bonus)
 
@@ -214,6 +268,8 @@ def _lists_not_a_tensor(*args):
     (rejection_sample, None),
     (_batched(lambda r: _with_bonus(_judge(r), r.bonus)), None),  # the rule written out again passes too
     (_rows_of_request_0, "request 2's rows are target_probs[cu_num_draft_tokens[1]:cu_num_draft_tokens[2]]"),
+    (_row_0_for_every_position, "request 0 got [1, 1, -1, -1], expected [1, 2, -1, -1] (draft i is judged "
+                                "with the request's row i"),
     (_bonus_from_the_last_draft_row, "emits bonus_token_ids[b], for which target_probs has no row"),
     (_no_correction, "at the first mismatch emit the target's own token"),
     (_resamples_from_p, "on rejection, draw from max(0, p - q) renormalised"),

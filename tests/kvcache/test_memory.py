@@ -217,23 +217,6 @@ def test_cli_bad_input_names_the_flag(args, flag, capsys):
     assert flag in stderr and "Traceback" not in stderr
 
 
-def test_checkers_accept_right_and_reject_wrong(capsys):
-    from radarlab.checks import check_kv_bytes_per_token, check_max_streams
-
-    assert check_kv_bytes_per_token(lambda l, h, d, b: l * h * d * 2 * b)
-    assert not check_kv_bytes_per_token(lambda l, h, d, b: l * h * d * b)
-    assert "count both K and V" in capsys.readouterr().out
-    assert check_max_streams(lambda g, w, p: max(0, int((g - w) // p)))
-    assert not check_max_streams(lambda g, w, p: int((g - w) // p))
-    assert "return 0" in capsys.readouterr().out
-
-    def stub(*args):
-        raise NotImplementedError
-
-    assert not check_max_streams(stub)
-    assert "not written yet" in capsys.readouterr().out
-
-
 def test_every_format_of_the_table_is_counted_with_its_overhead():
     """The calculator reads radarlab.quant.formats: fp8 per token and head pays an fp16 scale per head
     vector, kivi's residual window pays 16 bits for its newest tokens."""
