@@ -26,6 +26,7 @@ from radarlab.checks.nb05_batching import (
     check_latency_metrics,
     check_preemption_rule,
     check_schedule_token_budget,
+    check_scheduler,
 )
 from radarlab.checks.nb06_fp8 import check_decode_e4m3, check_encode_e4m3, check_per_token_head_scale
 from radarlab.checks.nb07_int4 import (
@@ -67,6 +68,7 @@ __all__ = [
     "check_schedule_token_budget",
     "check_preemption_rule",
     "check_latency_metrics",
+    "check_scheduler",
     "check_decode_e4m3",
     "check_encode_e4m3",
     "check_per_token_head_scale",

@@ -232,3 +232,133 @@ def check_latency_metrics(latency_metrics) -> bool:
                 return verdict(name, f"for {description}, request {i}'s mean ITL was {got_itl}, "
                                      f"expected {w_itl:.6g}{hint}")
     return verdict(name, None)
+
+
+def _scheduler_scenarios():
+    """check_scheduler's workloads: (what it tests, pool and scheduler settings, requests as
+    (prompt_len, max_tokens, step it arrives at)). Hand-written ones first, each aimed at one rule,
+    then random ones."""
+    import random
+
+    def cfg(num_blocks=64, block_size=4, max_num_seqs=4, budget=64, watermark=0.0, prefix=False):
+        return dict(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=budget, watermark=watermark, enable_prefix_caching=prefix)
+
+    fixed = [
+        ("a 40-token prompt with a budget of 16 (chunked prefill: 16, 16, 8, then one token per decode)",
+         cfg(budget=16), [(40, 3, 0)]),
+        ("prompts of 6 and 9 tokens with a budget of 10 (the running first, then the waiting get what is "
+         "left of the budget)", cfg(budget=10), [(6, 3, 0), (9, 3, 0)]),
+        ("three 4-token prompts with max_num_seqs=2 (at most 2 run at once)", cfg(max_num_seqs=2),
+         [(4, 4, 0), (4, 4, 0), (4, 4, 0)]),
+        ("a 20-token request running in 8 blocks of 4, then a 20-token and a 4-token prompt (FCFS: the head "
+         "does not fit yet, so nobody behind it starts)", cfg(num_blocks=8),
+         [(20, 6, 0), (20, 2, 1), (4, 2, 1)]),
+        ("a 20-token prompt in a pool of 4 blocks of 4, then a 4-token one (the first can never fit: it "
+         "ends with an error and the queue moves on)", cfg(num_blocks=4), [(20, 2, 0), (4, 2, 0)]),
+        ("8 requests of 8 tokens in 8 blocks of 8 (no block free: preempt the newest running request, "
+         "which preempts itself when it is the newest, and goes back to the front of the queue)",
+         cfg(num_blocks=8, block_size=8, max_num_seqs=8), [(8, 12, 0)] * 8),
+        ("two requests in 6 blocks of 4 with a watermark of 0.34 (2 blocks kept free when admitting beside "
+         "running requests)", cfg(num_blocks=6, watermark=0.34), [(4, 6, 0), (8, 2, 1)]),
+        ("three prompts sharing 8 prefix tokens, prefix caching on (a cached prefix is not recomputed: "
+         "schedule num_tokens minus the cached tokens)", cfg(prefix=True),
+         [(12, 2, 0), (11, 2, 2), (13, 2, 4)]),
+    ]
+    rng = random.Random(11)
+    randomised = []
+    for _ in range(6):
+        block_size = rng.choice([2, 4, 8])
+        requests = [(rng.randint(1, 24), rng.randint(1, 10), rng.randint(0, 12))
+                    for _ in range(rng.randint(4, 9))]
+        need = max(-(-(p + m) // block_size) for p, m, _ in requests)
+        settings = cfg(num_blocks=need + rng.randint(0, 12), block_size=block_size,
+                       max_num_seqs=rng.randint(1, 5), budget=rng.choice([4, 8, 16, 64]),
+                       prefix=rng.random() < 0.5)
+        randomised.append(("a random workload", settings, requests))
+    return fixed + randomised
+
+
+def _run_scheduler(scheduler_cls, settings: dict, requests: list, prefix_tokens: list[int]):
+    """Drive a scheduler without a model, step by step (what the engine does around schedule(): update,
+    a token appended to each request whose tokens are all computed, finish at max_tokens). Yields
+    (step, what the step scheduled, the scheduler) after each step."""
+    from radarlab.engine import Request, RequestStatus, SamplingParams
+    from radarlab.kvcache.kv_cache_manager import KVCacheManager
+
+    manager = KVCacheManager(settings["num_blocks"], settings["block_size"],
+                             settings["enable_prefix_caching"])
+    scheduler = scheduler_cls(manager, settings["max_num_seqs"], settings["max_num_batched_tokens"], 4096,
+                              settings["watermark"])
+    pending = sorted(enumerate(requests), key=lambda r: r[1][2])
+    for step in range(400):
+        while pending and pending[0][1][2] <= step:
+            i, (prompt_len, max_tokens, _) = pending.pop(0)
+            prompt = (prefix_tokens + [100 + 10 * i + j for j in range(prompt_len)])[:prompt_len] \
+                if settings["enable_prefix_caching"] else [100 + 10 * i + j for j in range(prompt_len)]
+            scheduler.add_request(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)))
+        if not scheduler.has_unfinished_requests():
+            if not pending:
+                return
+            continue
+        out = scheduler.schedule()
+        yield step, out, scheduler
+        scheduler.update(out)
+        for request in out.requests:
+            if request.num_computed_tokens == request.num_tokens:
+                request.append_token_ids([7 + step % 50])
+                if request.num_output_tokens >= request.params.max_tokens:
+                    scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+
+
+def _step_summary(out, scheduler) -> dict:
+    return {
+        "scheduled (request: tokens from position)": [
+            f"{r.request_id}: {n} from {c}" for r, c, n in zip(out.requests, out.num_computed_tokens,
+                                                             out.num_scheduled_tokens)],
+        "block ids": [list(b) for b in out.block_ids],
+        "preempted": [r.request_id for r in out.preempted],
+        "errored": [r.request_id for r in out.errored],
+        "waiting afterwards": [r.request_id for r in scheduler.waiting],
+        "running afterwards": [r.request_id for r in scheduler.running],
+    }
+
+
+def check_scheduler(scheduler_cls) -> bool:
+    """Check a learner's Scheduler subclass (its schedule(): token budget, chunked prefill, FCFS
+    admission, preemption by recompute) against radarlab's Scheduler.
+
+    Workloads run without a model on both, step by step; every step's scheduled requests, token
+    counts, block ids, preemptions and errors, and the queues afterwards, must be the same."""
+    from itertools import zip_longest
+
+    from radarlab.engine import Scheduler
+
+    name = "scheduler"
+    prefix = [900 + j for j in range(8)]
+    for what, settings, requests in _scheduler_scenarios():
+        where = (f"{what}; {settings['num_blocks']} blocks of {settings['block_size']}, max_num_seqs="
+                 f"{settings['max_num_seqs']}, budget {settings['max_num_batched_tokens']}")
+        if what == "a random workload":
+            where += f", requests (prompt, max_tokens, arrival step) {requests}"
+        mine = _run_scheduler(scheduler_cls, settings, requests, prefix)
+        ref = _run_scheduler(Scheduler, settings, requests, prefix)
+        while True:
+            want = next(ref, None)
+            try:
+                got = next(mine, None)
+            except NotImplementedError:
+                return verdict(name, "schedule() is not written yet (it raises NotImplementedError)")
+            except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+                step = "" if want is None else f" at step {want[0]}"
+                return verdict(name, f"for {where}{step} it raised {type(err).__name__}: {err}")
+            if want is None and got is None:
+                break
+            if want is None or got is None:
+                return verdict(name, f"for {where}: {'your' if got else 'the reference'} scheduler still had "
+                                     f"requests to run after the other finished")
+            want_summary, got_summary = _step_summary(want[1], want[2]), _step_summary(got[1], got[2])
+            for key, (w, g) in zip(want_summary, zip_longest(want_summary.values(), got_summary.values())):
+                if w != g:
+                    return verdict(name, f"for {where}: at step {want[0]}, {key} {g}, expected {w}")
+    return verdict(name, None)

@@ -63,7 +63,8 @@ class Engine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
-                 rejection_sampler=rejection_sample, block_pool_cls=BlockPool) -> None:
+                 rejection_sampler=rejection_sample, block_pool_cls=BlockPool,
+                 scheduler_cls=Scheduler) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -74,7 +75,8 @@ class Engine:
         they can be built; the model's own are Llama.use_cpu_ops). rejection_sampler verifies a step's
         drafts: radarlab.sample.rejection_sampler.rejection_sample or anything with its signature
         (vLLM's), such as a learner's own; block_pool_cls makes the KV cache manager's BlockPool (a
-        learner's own class with BlockPool's methods works too)."""
+        learner's own class with BlockPool's methods works too); scheduler_cls makes the Scheduler, from
+        the same arguments (notebook 05 runs a learner's schedule())."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -99,8 +101,8 @@ class Engine:
                                             device=param.device, backend=backend,
                                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
                                             cpu_ops=cpu_ops)
-        self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
-                                   watermark)
+        self.scheduler = scheduler_cls(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
+                                       watermark)
         self.runner = ModelRunner(model, self.cache)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id

@@ -6,10 +6,16 @@ import random
 
 import pytest
 
-from radarlab.checks import check_latency_metrics, check_preemption_rule, check_schedule_token_budget
+from radarlab.checks import (
+    check_latency_metrics,
+    check_preemption_rule,
+    check_schedule_token_budget,
+    check_scheduler,
+)
 from radarlab.checks.nb05_batching import _schedule_token_budget_reference
-from radarlab.engine import Request, SamplingParams, Scheduler
-from radarlab.kvcache.kv_cache_manager import KVCacheManager
+from radarlab.engine import Request, RequestStatus, SamplingParams, Scheduler, SchedulerOutput
+from radarlab.kvcache.block_pool import NoFreeBlocks
+from radarlab.kvcache.kv_cache_manager import AllocStatus, KVCacheManager
 
 # --- schedule_token_budget -------------------------------------------------------------------------
 
@@ -255,3 +261,83 @@ def test_preemption_solution_passes(verdict):
 ])
 def test_preemption_mistakes_fail(verdict, fn, message):
     verdict(check_preemption_rule, fn, message, name="preempt")
+
+
+# --- scheduler (the main exercise): schedule() written as a learner would, without drafts -------------
+
+def learner_scheduler(mistake: str | None = None):
+    """A learner's Scheduler subclass; `mistake` names one plausible error to make on purpose."""
+
+    class LearnerScheduler(Scheduler):
+        def schedule(self):
+            out = SchedulerOutput()
+            out.errored, self._errored = list(self._errored), []
+            budget = self.max_num_batched_tokens
+            i = 0
+            while i < len(self.running) and budget > 0:
+                request = self.running[i]
+                n = request.num_tokens - request.num_computed_tokens
+                if mistake != "running ignore the budget":
+                    n = min(n, budget)
+                while True:
+                    try:
+                        out.copy_pairs += self.manager.allocate_slots(request, n)
+                        break
+                    except NoFreeBlocks:
+                        victim = self.running.pop(0 if mistake == "preempt the oldest" else -1)
+                        self._preempt(victim, out)
+                        if victim is request:
+                            break
+                if request.status is RequestStatus.PREEMPTED:
+                    break
+                self._schedule(out, request, request.num_computed_tokens, n)
+                budget -= n
+                i += 1
+            may_admit = not (out.preempted and self.running)
+            skipped = 0
+            while may_admit and len(self.waiting) > skipped and budget > 0:
+                request = self.waiting[skipped]
+                full = len(self.running) + request.num_seats > self.max_num_seqs
+                if full and mistake != "ignore max_num_seqs":
+                    break
+                status = self.manager.can_allocate(request, self.watermark_blocks if out.requests else 0)
+                if status is AllocStatus.NEVER:
+                    del self.waiting[skipped]
+                    self._finish_error(request, "never fits")
+                    out.errored.append(request)
+                    continue
+                if status is AllocStatus.LATER:
+                    if mistake == "overtake the head":
+                        skipped += 1
+                        continue
+                    break
+                _, num_cached = self.manager.get_computed_blocks(request)
+                n = request.num_tokens - (0 if mistake == "ignore the prefix cache" else num_cached)
+                if mistake == "no chunked prefill" and n > budget:
+                    break
+                n = min(n, budget)
+                del self.waiting[skipped]
+                request.num_computed_tokens = self.manager.allocate(request, n)
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                self._schedule(out, request, request.num_computed_tokens, n)
+                budget -= n
+            return out
+
+    return LearnerScheduler
+
+
+def test_scheduler_solution_passes(verdict):
+    verdict(check_scheduler, learner_scheduler())
+
+
+@pytest.mark.parametrize("mistake, message", [
+    ("running ignore the budget", "chunked prefill: 16, 16, 8"),
+    ("preempt the oldest", "preempt the newest running request"),
+    ("overtake the head", "FCFS: the head does not fit yet, so nobody behind it starts"),
+    ("ignore max_num_seqs", "at most 2 run at once"),
+    ("ignore the prefix cache", "prefix caching on (a cached prefix is not recomputed"),
+    ("no chunked prefill", "chunked prefill"),
+])
+def test_scheduler_mistakes_fail(verdict, mistake, message):
+    verdict(check_scheduler, learner_scheduler(mistake), message)

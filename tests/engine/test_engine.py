@@ -94,6 +94,27 @@ def test_the_engine_runs_on_the_block_pool_it_is_given(tiny):
     assert runs[0] == runs[1] and runs[0][2] > 0
 
 
+def test_the_engine_runs_the_scheduler_it_is_given(tiny, workload):
+    """Engine(scheduler_cls=...) is notebook 05's seam: made from the engine's own settings, and its
+    schedule() is what every step runs."""
+    from radarlab.engine import Scheduler
+
+    class CountingScheduler(Scheduler):
+        steps = 0
+
+        def schedule(self):
+            CountingScheduler.steps += 1
+            return super().schedule()
+
+    prompts, ref = workload
+    engine = Engine(tiny, num_blocks=20, block_size=4, max_num_seqs=3, max_num_batched_tokens=16,
+                    scheduler_cls=CountingScheduler)
+    assert [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=10))] == ref
+    sched = engine.scheduler
+    assert type(sched) is CountingScheduler and CountingScheduler.steps == engine.num_steps > 0
+    assert (sched.max_num_seqs, sched.max_num_batched_tokens, sched.manager) == (3, 16, engine.manager)
+
+
 def test_stream_yields_the_generated_tokens_in_order(tiny, workload):
     prompts, ref = workload
     engine = Engine(tiny, num_blocks=64, block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
