@@ -214,9 +214,10 @@ def _paged_decode_kernel(
 
 
 def triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=None,
-                        tile_n: int = 32, check: bool = True) -> torch.Tensor:
+                        tile_n: int = 32, check: bool = True, kernel=None) -> torch.Tensor:
     """q [B, H, D], one query per sequence (its newest token, already written to the cache).
-    Returns [B, H, D]. seq_lens[b] >= 1 is the context length including that token."""
+    Returns [B, H, D]. seq_lens[b] >= 1 is the context length including that token. kernel: a jit
+    function with _paged_decode_kernel's signature to launch instead (notebook 04's exercise)."""
     validate_pool(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     num_seqs, num_heads = _check_query(q, num_kv_heads, head_dim)
@@ -227,7 +228,8 @@ def triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, out=
     if num_seqs == 0:
         return out
     group = num_heads // num_kv_heads
-    _paged_decode_kernel[(num_seqs, num_kv_heads)](
+    kernel = _paged_decode_kernel if kernel is None else kernel
+    kernel[(num_seqs, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, seq_lens,
         float(scale),
         *q.stride(), *out.stride(), *k_cache.stride(), block_tables.stride(0),
@@ -532,11 +534,13 @@ def triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_star
 
 
 def triton_paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-                           check: bool = True) -> torch.Tensor:
-    """The decode kernel when every sequence brings exactly one query, the prefill kernel otherwise."""
+                           check: bool = True, decode_kernel=None) -> torch.Tensor:
+    """The decode kernel (decode_kernel, if given) when every sequence brings exactly one query, the
+    prefill kernel otherwise."""
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     if query_lens.numel() and bool((query_lens == 1).all()):
-        return triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, check=check)
+        return triton_paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, check=check,
+                                   kernel=decode_kernel)
     return triton_paged_prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                                 check=check)
 

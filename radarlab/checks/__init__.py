@@ -19,6 +19,7 @@ from radarlab.checks.nb03_paged_cache import (
 )
 from radarlab.checks.nb04_paged_attention import (
     check_online_softmax_update,
+    check_paged_decode_kernel,
     check_reshape_and_cache,
     check_store_kv_kernel,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "check_reshape_and_cache",
     "check_store_kv_kernel",
     "check_online_softmax_update",
+    "check_paged_decode_kernel",
     "check_schedule_token_budget",
     "check_preemption_rule",
     "check_latency_metrics",

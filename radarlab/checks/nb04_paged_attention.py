@@ -266,3 +266,92 @@ def check_online_softmax_update(online_softmax_update) -> bool:
             return verdict(name, f"for {description} acc / l is {out.flatten()[:4].tolist()}, but full "
                                  f"softmax attention gives {attention.flatten()[:4].tolist()}{hint}")
     return verdict(name, None)
+
+
+def _decode_diagnosis(b, got, tile_n: int) -> str:
+    """Which plausible mistake explains a wrong decode output: each is computed in torch from the
+    batch's unpaged K and V and compared with what the kernel returned."""
+    import torch
+
+    if got.isnan().any():
+        return ("NaN came out: positions past seq_len, and slots no block table names, hold NaN here. "
+                "Mask the loads to pos < seq_len, score those lanes -inf, and take each position's block "
+                "from block_tables[seq, p // BLOCK_SIZE]")
+    heads, kv_heads = b.q.shape[1], b.k_cache.shape[2]
+    group = heads // kv_heads
+
+    def attend(kv_of_head, scale):
+        out = torch.empty_like(b.q, dtype=torch.float32)
+        for seq, (k, v) in enumerate(zip(b.keys, b.values)):
+            for h in range(heads):
+                s = (b.q[seq, h].float() @ k[:, kv_of_head(h)].float().T) * scale
+                out[seq, h] = torch.softmax(s, -1) @ v[:, kv_of_head(h)].float()
+        return out
+
+    def near(x):
+        return bool(torch.allclose(got.float(), x, atol=1e-4, rtol=1e-3))
+
+    if group > 1 and near(attend(lambda h: h % kv_heads, b.scale)):
+        return ("query head h reads KV head h // GROUP (this program's heads are kv_head * GROUP + g), not "
+                "h % num_kv_heads")
+    if near(attend(lambda h: h // group, 1.0)):
+        return "the scores are missing the scale: multiply q (or q . k) by scale"
+    if max(b.seq_lens.tolist()) > tile_n:
+        return ("the context spans several tiles: when a tile raises the running max, rescale acc and l by "
+                "exp(m_old - m_new) before adding the tile")
+    return "position p lives in block block_tables[seq, p // BLOCK_SIZE], row p % BLOCK_SIZE"
+
+
+def check_paged_decode_kernel(kernel) -> bool:
+    """Check a learner's paged-decode Triton kernel (the signature of triton_paged._paged_decode_kernel),
+    launched by triton_paged_decode(..., kernel=kernel) with tiles of 8 positions, against
+    attention_reference on the unpaged K and V; a wrong output is matched against plausible mistakes
+    (unmasked reads, the GQA mapping, the scale, the rescale across tiles, the block-table lookup)."""
+    import torch
+
+    from radarlab.attention.triton_paged import triton_paged_decode
+    from radarlab.device import default_device
+    from radarlab.lab.kernel_bench import random_paged_batch
+
+    name = "paged_decode_kernel"
+    tile_n = 8
+    cases = [  # (description, seq_lens, block_size, heads, kv_heads, head_dim)
+        ("one sequence of 3 tokens in one block of 4, 2 query heads over 2 KV heads, head_dim 16",
+         [3], 4, 2, 2, 16),
+        ("sequences of 8 and 11 tokens in blocks of 4 (block tables shuffled), 2 heads over 2 KV heads",
+         [8, 11], 4, 2, 2, 16),
+        ("a sequence of 29 tokens (4 tiles of 8 positions), block size 16", [29], 16, 2, 2, 16),
+        ("block size 1 (every position its own block), sequences of 1, 5 and 9 tokens",
+         [1, 5, 9], 1, 2, 2, 16),
+        ("GQA: 4 query heads over 2 KV heads, sequences of 6 and 13 tokens, block size 4",
+         [6, 13], 4, 4, 2, 16),
+        ("the course model's heads: 9 over 3, head_dim 64 (a group of 3 padded to 4 lanes), 20 and 7 tokens",
+         [20, 7], 4, 9, 3, 64),
+    ]
+    device = default_device()
+    for i, (description, lens, bs, heads, kv_heads, dim) in enumerate(cases):
+        b = random_paged_batch(lens, None, bs, heads, kv_heads, dim, seed=20 + i, device=device)
+        want = b.reference().cpu()
+        # Table entries past a sequence's blocks name a spare block of NaN, so that a kernel reading
+        # past seq_len unmasked reads NaN (and shows it) rather than an address outside the pool.
+        spare = min(set(range(b.k_cache.shape[0])) - set(b.block_tables.flatten().tolist()))
+        width = -(-(max(lens) + tile_n) // bs) + 1
+        tables = torch.full((len(lens), width), spare, dtype=b.block_tables.dtype, device=device)
+        for seq, n in enumerate(lens):
+            tables[seq, :-(-n // bs)] = b.block_tables[seq, :-(-n // bs)]
+        try:
+            got = triton_paged_decode(b.q, b.k_cache, b.v_cache, tables, b.seq_lens, b.scale,
+                                      tile_n=tile_n, kernel=kernel).cpu()
+        except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
+            if _raised_not_written(err):
+                return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
+            while err.__cause__ is not None:
+                err = err.__cause__
+            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+        bad = ~torch.isclose(got, want, atol=1e-5, rtol=1e-4)
+        if bad.any():
+            seq, head = (int(x) for x in bad.any(-1).nonzero()[0])
+            wrong = sorted({int(h) for h in bad.any(-1).nonzero()[:, 1]})
+            return verdict(name, f"for {description}: sequence {seq}, head {head} is wrong (wrong heads: "
+                                 f"{wrong}); {_decode_diagnosis(b, got, tile_n)}")
+    return verdict(name, None)

@@ -64,7 +64,7 @@ class Engine:
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
                  rejection_sampler=rejection_sample, block_pool_cls=BlockPool,
-                 scheduler_cls=Scheduler) -> None:
+                 scheduler_cls=Scheduler, attn_backend=None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -76,7 +76,8 @@ class Engine:
         drafts: radarlab.sample.rejection_sampler.rejection_sample or anything with its signature
         (vLLM's), such as a learner's own; block_pool_cls makes the KV cache manager's BlockPool (a
         learner's own class with BlockPool's methods works too); scheduler_cls makes the Scheduler, from
-        the same arguments (notebook 05 runs a learner's schedule())."""
+        the same arguments (notebook 05 runs a learner's schedule()); attn_backend replaces the attention
+        backend the cache's configuration picks (notebook 04 runs one with the learner's decode kernel)."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -103,7 +104,7 @@ class Engine:
                                             cpu_ops=cpu_ops)
         self.scheduler = scheduler_cls(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                        watermark)
-        self.runner = ModelRunner(model, self.cache)
+        self.runner = ModelRunner(model, self.cache, attn_backend)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self._ids = itertools.count()

@@ -37,9 +37,12 @@ class ModelRunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model, cache: PagedKVCache) -> None:
+    def __init__(self, model, cache: PagedKVCache, attn_backend=None) -> None:
+        """attn_backend: the attention backend every layer runs (None: the one the cache's configuration
+        picks, radarlab.attention.backends.get_attn_backend); one's own plugs in here."""
         self.model = model
         self.cache = cache
+        self.attn_backend = attn_backend
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput, return_features: bool = False) -> ModelRunnerOutput:
@@ -51,7 +54,7 @@ class ModelRunner:
                      in zip(sched.requests, sched.num_computed_tokens, sched.num_scheduled_tokens, drafts)]
         inputs = prepare_inputs(self.cache, token_ids, sched.block_ids, sched.num_computed_tokens,
                                 sched.num_scheduled_tokens, spec_token_ids=drafts,
-                                seq_ids=[r.request_id for r in sched.requests])
+                                seq_ids=[r.request_id for r in sched.requests], backend=self.attn_backend)
         out = run_model(self.model, self.cache, inputs, return_features)
         logits, features = out if return_features else (out, None)
         return ModelRunnerOutput(logits, inputs.spec_decode_metadata, features)

@@ -9,7 +9,12 @@ import torch
 import triton
 import triton.language as tl
 
-from radarlab.checks import check_online_softmax_update, check_reshape_and_cache, check_store_kv_kernel
+from radarlab.checks import (
+    check_online_softmax_update,
+    check_paged_decode_kernel,
+    check_reshape_and_cache,
+    check_store_kv_kernel,
+)
 
 
 # --- reshape_and_cache ----------------------------------------------------------------------------
@@ -223,3 +228,91 @@ def test_store_kv_kernel_stub_compiled_on_a_gpu(capsys):
                                        "NotImplementedError)\n")
     assert not check_store_kv_kernel(setitem)
     assert "it raised NotImplementedError: __setitem__ is not supported in triton" in capsys.readouterr().out
+
+
+# --- the paged-decode kernel (the main exercise) ---------------------------------------------------------
+# One kernel again, the learner's solution, with MISTAKE picking a plausible error (0: none).
+GQA_MODULO = tl.constexpr(2)  # query head h reads KV head h % num_kv_heads, not h // GROUP
+NO_RESCALE = tl.constexpr(3)  # acc and l are not rescaled when the running max grows
+NO_MASK = tl.constexpr(4)  # positions past seq_len are scored (their loads unmasked)
+NO_BLOCK_TABLE = tl.constexpr(5)  # position p read from block p // BLOCK_SIZE, not from the table
+NO_SCALE = tl.constexpr(6)  # the query is not multiplied by the scale
+
+
+@triton.jit
+def decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, seq_lens_ptr, scale,
+                  stride_qt, stride_qh, stride_qd, stride_ot, stride_oh, stride_od,
+                  stride_cb, stride_cs, stride_ch, stride_cd, stride_bt, head_dim,
+                  GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    if MISTAKE == STUB:
+        raise NotImplementedError()
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    g = tl.arange(0, GROUP_PAD)
+    d = tl.arange(0, DIM_PAD)
+    heads = kv_head * GROUP + g
+    if MISTAKE == GQA_MODULO:
+        heads = g * tl.num_programs(1) + kv_head
+    dim_ok = d < head_dim
+    q_mask = (g < GROUP)[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :] * stride_qd, mask=q_mask,
+                other=0.0).to(tl.float32)
+    if MISTAKE != NO_SCALE:
+        q = q * scale
+    m = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, DIM_PAD], tl.float32)
+    for start in range(0, seq_len, TILE_N):
+        pos = start + tl.arange(0, TILE_N)
+        pos_ok = pos < seq_len
+        if MISTAKE == NO_MASK:
+            pos_ok = pos >= 0
+        block = tl.load(block_tables_ptr + seq * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+        block = block.to(tl.int64)
+        if MISTAKE == NO_BLOCK_TABLE:
+            block = (pos // BLOCK_SIZE).to(tl.int64)
+        offsets = (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch)[:, None] \
+            + d[None, :] * stride_cd
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.where(pos_ok[None, :], tl.sum(q[:, None, :] * k[None, :, :], axis=2), float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        if MISTAKE == NO_RESCALE:
+            alpha = alpha * 0 + 1
+        p = tl.exp(scores - m_new[:, None])
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        l = l * alpha + tl.sum(p, axis=1)
+        m = m_new
+    tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :] * stride_od,
+             (acc / l[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+class WithMistake:
+    """decode_kernel as triton_paged_decode launches it (kernel[grid](...)), with MISTAKE set."""
+
+    def __init__(self, mistake):
+        self.mistake = mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: decode_kernel[grid](*args, **kwargs, MISTAKE=self.mistake)
+
+
+def test_paged_decode_kernel_solution_passes(verdict):
+    verdict(check_paged_decode_kernel, decode_kernel)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (STUB, "the kernel is not written yet (it raises NotImplementedError)"),
+    (GQA_MODULO, "GQA: 4 query heads over 2 KV heads, sequences of 6 and 13 tokens, block size 4: sequence "
+                 "0, head 1 is wrong (wrong heads: [1, 2]); query head h reads KV head h // GROUP"),
+    (NO_RESCALE, "rescale acc and l by exp(m_old - m_new)"),
+    (NO_MASK, "NaN came out: positions past seq_len"),
+    (NO_BLOCK_TABLE, "take each position's block from block_tables[seq, p // BLOCK_SIZE]"),
+    (NO_SCALE, "the scores are missing the scale"),
+])
+def test_paged_decode_kernel_mistakes(verdict, mistake, message):
+    verdict(check_paged_decode_kernel, WithMistake(mistake), message)

@@ -7,6 +7,12 @@ from radarlab.attention.metadata import AttentionMetadata
 
 
 class TritonBackend(PagedBackend):
+    """decode_kernel: a jit function with triton_paged._paged_decode_kernel's signature, launched for
+    decode steps in its place (notebook 04 runs the engine on the learner's kernel this way)."""
+
+    def __init__(self, decode_kernel=None) -> None:
+        self.decode_kernel = decode_kernel
+
     def write_slots(self, layer: int, k, v, slot_mapping, kv_cache) -> None:
         from radarlab.attention.triton_paged import triton_reshape_and_cache  # imports triton
 
@@ -17,4 +23,5 @@ class TritonBackend(PagedBackend):
 
         self.write_slots(layer, k, v, meta.slot_mapping, kv_cache)
         return triton_paged_attention(q, kv_cache.k[layer], kv_cache.v[layer], meta.block_tables,
-                                      meta.seq_lens, meta.query_start_loc, scale, check=False)
+                                      meta.seq_lens, meta.query_start_loc, scale, check=False,
+                                      decode_kernel=self.decode_kernel)
