@@ -62,7 +62,7 @@ class Engine:
                  enable_prefix_caching: bool = True, eos_token_id: int | None = None, watermark: float = 0.0,
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
-                 rejection_sampler=rejection_sample) -> None:
+                 rejection_sampler=rejection_sample, kivi_quantizer=None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -72,7 +72,8 @@ class Engine:
         KV write and decode attention use radarlab's C++ operators on a CPU (PagedKVCache; None: wherever
         they can be built; the model's own are Llama.use_cpu_ops). rejection_sampler verifies a step's
         drafts: radarlab.sample.rejection_sampler.rejection_sample or anything with its signature
-        (vLLM's), such as a learner's own."""
+        (vLLM's), such as a learner's own. kivi_quantizer (radarlab.quant.kivi.KiviQuantizer): a KIVI
+        cache's key quantizer and quantized_length, such as a learner's; None: radarlab's."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -96,7 +97,7 @@ class Engine:
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype,
                                             device=param.device, backend=backend,
                                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                                            cpu_ops=cpu_ops)
+                                            cpu_ops=cpu_ops, kivi_quantizer=kivi_quantizer)
         self.scheduler = Scheduler(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                    watermark)
         self.runner = ModelRunner(model, self.cache)
