@@ -131,8 +131,10 @@ def kivi_block_size(kv_cache_dtype: str, block_size: int) -> int:
     return max(block_size, fmt.group_size) if fmt.kind == "kivi" else block_size
 
 
-def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: dict | None = None):
-    """A PagedKVCache of the scheme's format with room for one sequence of num_tokens."""
+def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: dict | None = None,
+               kivi_quantizer=None):
+    """A PagedKVCache of the scheme's format with room for one sequence of num_tokens (a KIVI format:
+    with kivi_quantizer's functions, radarlab.quant.kivi.KiviQuantizer, if given)."""
     from radarlab.kvcache.paged_cache import PagedKVCache
     from radarlab.quant.formats import kv_format
 
@@ -148,7 +150,8 @@ def make_cache(model, scheme: Scheme, num_tokens: int, block_size: int, scales: 
             extra["k_scale"] = extra["v_scale"] = float(scheme.scales)
     block_size = kivi_block_size(scheme.kv_cache_dtype, block_size)
     return PagedKVCache.for_model(model.config, cdiv(num_tokens, block_size), block_size, dtype=param.dtype,
-                                  device=param.device, kv_cache_dtype=scheme.kv_cache_dtype, **extra)
+                                  device=param.device, kv_cache_dtype=scheme.kv_cache_dtype,
+                                  kivi_quantizer=kivi_quantizer, **extra)
 
 
 def sequence_nll(model, cache, token_ids) -> tuple[float, int]:
@@ -163,9 +166,10 @@ def sequence_nll(model, cache, token_ids) -> tuple[float, int]:
     return float(F.cross_entropy(logits[:-1].float(), targets, reduction="sum")), len(token_ids) - 1
 
 
-def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | None = None) -> float:
+def perplexity(model, scheme: Scheme, chunks, block_size: int, scales: dict | None = None,
+               kivi_quantizer=None) -> float:
     """exp(mean NLL) over every predicted token of every chunk, through a cache of the scheme's format."""
-    cache = make_cache(model, scheme, max(len(c) for c in chunks), block_size, scales)
+    cache = make_cache(model, scheme, max(len(c) for c in chunks), block_size, scales, kivi_quantizer)
     total, count = 0.0, 0
     for chunk in chunks:
         nll, n = sequence_nll(model, cache, chunk)

@@ -32,8 +32,10 @@ from radarlab.checks.nb05_batching import (
 from radarlab.checks.nb06_fp8 import check_decode_e4m3, check_encode_e4m3, check_per_token_head_scale
 from radarlab.checks.nb07_int4 import (
     check_int4_bytes_per_token,
+    check_kivi_keys,
     check_pack_nibbles,
     check_quantize_group,
+    check_quantized_length,
     reference_int4_bytes_per_token,
     reference_quantize_group,
 )
@@ -79,6 +81,8 @@ __all__ = [
     "check_quantize_group",
     "reference_int4_bytes_per_token",
     "check_int4_bytes_per_token",
+    "check_kivi_keys",
+    "check_quantized_length",
     "check_expected_tokens_per_step",
     "check_verify_stochastic",
     "check_ngram_draft",

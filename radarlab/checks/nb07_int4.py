@@ -1,4 +1,5 @@
-"""Checkers of notebook 07 (INT4 KV cache): nibble packing, group-wise quantization, bytes per token."""
+"""Checkers of notebook 07 (INT4 KV cache): nibble packing, group-wise quantization, bytes per token, and
+the main exercise: KIVI's per-channel keys and quantized_length, the two functions a KIVI cache takes."""
 from __future__ import annotations
 
 from radarlab.checks.common import call_learner, first_tensor_difference, verdict
@@ -178,4 +179,142 @@ def check_int4_bytes_per_token(int4_bytes_per_token) -> bool:
             hint = next((h for v,
                          h in hints.items() if isinstance(got, (int, float)) and math.isclose(got, v)), "")
             return verdict(name, f"for {description} it returned {got!r}, expected {want}{hint}")
+    return verdict(name, None)
+
+
+# --- the main exercise: KIVI's keys per channel, and how many tokens are quantized -----------------
+
+def check_kivi_keys(quantize_keys_per_channel) -> bool:
+    """Check a learner's quantize_keys_per_channel(k, group_size) -> (codes, scales, zeros), the key
+    quantizer a KIVI cache takes (radarlab.quant.kivi.KiviQuantizer): keys [T, H, D], one asymmetric
+    INT4 group per (group of g tokens, head, channel). Zeros and scales as the cache stores them, fp16:
+    zero = the group's minimum, scale = (max - zero) / 15 with the stored zero, codes uint8 [T, H, D]
+    (unpacked) computed with the stored numbers, every value back within half a step."""
+    import torch
+
+    from radarlab.quant.kivi import quantize_key_codes
+
+    name = "kivi_keys"
+    gen = torch.Generator().manual_seed(13)
+    ramp = torch.tensor([[0.0, 100.0, -2.0, 1.0], [5.0, 100.0, 0.0, 2.0], [10.0, 100.0, 2.0, 3.0],
+                         [15.0, 101.5, 4.0, 4.0]])[:, None]  # [4 tokens, 1 head, 4 channels]
+    outlier = torch.randn(64, 3, 64, generator=gen)
+    outlier[:, :, 7] *= 20  # an outlier channel, as the course model's keys have
+    constant = torch.randn(8, 2, 16, generator=gen)
+    constant[:, 1, 3] = 2.5
+    cases = [  # (description, k, group_size)
+        ("k of shape (4, 1, 4), one group of 4 tokens: channel 0 = [0, 5, 10, 15] (zero 0, scale 1), "
+         "channel 1 = [100, 100, 100, 101.5], channel 2 = [-2, 0, 2, 4], channel 3 = [1, 2, 3, 4]", ramp, 4),
+        ("random keys of shape (64, 3, 64) with channel 7 20x larger, groups of 32 tokens", outlier, 32),
+        ("random keys of shape (32, 2, 16), groups of 8 tokens", torch.randn(32, 2, 16, generator=gen), 8),
+        ("keys of shape (8, 2, 16), groups of 4 tokens, head 1's channel 3 always 2.5 (no division by "
+         "zero: it must come back as 2.5)", constant, 4),
+    ]
+    for description, k, g in cases:
+        got, problem = call_learner(lambda: quantize_keys_per_channel(k.clone(), g), description)
+        if problem:
+            return verdict(name, problem)
+        problem = _key_layout_problem(got, k, g)
+        if problem:
+            return verdict(name, f"for {description}, {problem}")
+        codes, scales, zeros = got
+        _, want_s, want_z = quantize_key_codes(k, g)
+        t, h, d = k.shape
+        groups = k.reshape(t // g, g, h, d)
+        s, z = scales.float(), zeros.float()
+        bad = ~torch.isclose(z, want_z.float(), rtol=1e-3, atol=1e-6)
+        if bool(bad.any()):
+            j, hh, c = (int(i) for i in bad.nonzero()[0])
+            symmetric = bool((z == 0).all()) or torch.allclose(z, -8 * s, rtol=1e-3)
+            hint = (" (asymmetric: the zero point is the group's minimum and code 0 stands for it; a "
+                    "symmetric grid has no zero point and wastes levels on a lopsided channel)" if symmetric
+                    else " (keys are grouped per channel along tokens: reduce over the g tokens of a "
+                    "group, not over head_dim)")
+            return verdict(name, f"for {description}, the zero point of token group {j}, head {hh}, "
+                                 f"channel {c} is {z[j, hh, c].item():.6g}, expected "
+                                 f"{groups[:, :, hh, c].amin(1)[j].item():.6g}, the minimum of channel {c} "
+                                 f"over tokens {j * g}..{j * g + g - 1}{hint}")
+        bad = ~torch.isclose(s, want_s.float(), rtol=2e-3, atol=1e-7)
+        if bool(bad.any()):
+            j, hh, c = (int(i) for i in bad.nonzero()[0])
+            ratio = s[j, hh, c].item() / want_s[j, hh, c].item()
+            hint = (" (16 levels have 15 steps between them)" if abs(ratio - 15 / 16) < 1e-2 else
+                    " (scale = (max - zero) / 15 over the group's g tokens, at least 2**-24 so that it is "
+                    "not 0 in fp16)")
+            return verdict(name, f"for {description}, the scale of token group {j}, head {hh}, channel {c} "
+                                 f"is {s[j, hh, c].item():.6g}, expected {want_s[j, hh, c].item():.6g}{hint}")
+        back = codes.float().reshape(groups.shape) * s[:, None] + z[:, None]
+        far = (back - groups).abs() > s[:, None] / 2 * (1 + 1e-3) + 1e-6
+        if bool(far.any()):
+            j, i, hh, c = (int(x) for x in far.nonzero()[0])
+            return verdict(name, f"for {description}, token {j * g + i}, head {hh}, channel {c} = "
+                                 f"{groups[j, i, hh, c].item():.6g} comes back as "
+                                 f"{back[j, i, hh, c].item():.6g} (code {int(codes[j * g + i, hh, c])}), "
+                                 "more than half a step away: round((x - zero) / scale) with the stored "
+                                 "fp16 zero and scale, then clamp to 0..15")
+    return verdict(name, None)
+
+
+def _key_layout_problem(got, k, g) -> str | None:
+    """What is wrong with the types, shapes and dtypes of (codes, scales, zeros), in plain words."""
+    import torch
+
+    if not isinstance(got, (tuple, list)) or len(got) != 3:
+        return f"it returned {type(got).__name__}; expected (codes, scales, zeros)"
+    t, h, d = k.shape
+    per_token = (t, h, d // g) if d % g == 0 else None
+    shapes = ((t, h, d), (t // g, h, d), (t // g, h, d))
+    for label, x, shape in zip(("codes", "scales", "zeros"), got, shapes):
+        if not isinstance(x, torch.Tensor):
+            hint = " (asymmetric INT4 stores a zero point per group)" if label == "zeros" else ""
+            return f"{label} is a {type(x).__name__}, not a tensor{hint}"
+        if tuple(x.shape) != shape:
+            hint = (" (one code per key value, unpacked)" if label == "codes" else
+                    " (that is one per token and group of g channels, along head_dim: KIVI's keys take "
+                    "one per channel, per group of g tokens)" if tuple(x.shape) == per_token else
+                    " (one per group of g tokens, head and channel)")
+            return f"{label} has shape {tuple(x.shape)}, expected {shape}{hint}"
+    codes, scales, zeros = got
+    if codes.dtype != torch.uint8:
+        return f"codes have dtype {codes.dtype}, expected torch.uint8"
+    if int(codes.max()) > 15:
+        return f"a code is {int(codes.max())}: 4 bits hold 0..15 (clamp)"
+    for label, x in (("scales", scales), ("zeros", zeros)):
+        if x.dtype != torch.float16:
+            return (f"{label} have dtype {x.dtype}; the cache stores them in torch.float16: round them to "
+                    "fp16 first, then compute the codes with the stored numbers")
+    return None
+
+
+def check_quantized_length(quantized_length) -> bool:
+    """Check a learner's quantized_length(num_tokens, group_size, residual): how many of a sequence's
+    tokens a KIVI cache holds quantized, whole groups only, leaving at least `residual` newest tokens in
+    16-bit (radarlab's rule: radarlab.quant.kivi.quantized_length)."""
+    from radarlab.quant.kivi import quantized_length as reference
+    from radarlab.util import cdiv, is_int
+
+    name = "quantized_length"
+    cases = [(0, 32, 0), (31, 32, 0), (32, 32, 0), (100, 32, 0), (20, 32, 128), (159, 32, 128),
+             (160, 32, 128), (161, 32, 128), (1000, 32, 128), (200, 64, 64), (255, 16, 40)]
+    for t, g, r in cases:
+        description = f"num_tokens={t}, group_size={g}, residual={r}"
+        want = reference(t, g, r)
+        got, problem = call_learner(lambda: quantized_length(t, g, r), description)
+        if problem:
+            return verdict(name, problem)
+        if not is_int(got):
+            return verdict(name, f"for {description} it returned {got!r} ({type(got).__name__}); expected "
+                                 f"the int {want}")
+        if got == want:
+            continue
+        hints = [(got < 0, " (fewer tokens than the window: nothing is quantized, never a negative count)"),
+                 (got == t // g * g, f" (leave the newest {r} tokens, the residual window, in 16-bit)"),
+                 (got == max(0, cdiv(t - r, g) * g),
+                  " (only whole groups: a partial group waits in 16-bit, so round down)"),
+                 (got % g == 0 and abs(got - want) == g,
+                  " (off by one group at a boundary: a group is quantized as soon as it is complete and "
+                  "the window's tokens follow it)"),
+                 (got % g != 0, " (a key group is quantized whole: the count is a multiple of group_size)")]
+        hint = next((h for match, h in hints if match), "")
+        return verdict(name, f"for {description} it returned {got}, expected {want}{hint}")
     return verdict(name, None)

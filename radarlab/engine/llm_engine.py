@@ -64,7 +64,7 @@ class Engine:
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
                  rejection_sampler=rejection_sample, block_pool_cls=BlockPool,
-                 scheduler_cls=Scheduler, attn_backend=None) -> None:
+                 scheduler_cls=Scheduler, attn_backend=None, kivi_quantizer=None) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -77,7 +77,9 @@ class Engine:
         (vLLM's), such as a learner's own; block_pool_cls makes the KV cache manager's BlockPool (a
         learner's own class with BlockPool's methods works too); scheduler_cls makes the Scheduler, from
         the same arguments (notebook 05 runs a learner's schedule()); attn_backend replaces the attention
-        backend the cache's configuration picks (notebook 04 runs one with the learner's decode kernel)."""
+        backend the cache's configuration picks (notebook 04 runs one with the learner's decode kernel).
+        kivi_quantizer (radarlab.quant.kivi.KiviQuantizer): a KIVI cache's key quantizer and
+        quantized_length, such as a learner's (notebook 07); None: radarlab's."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -101,7 +103,7 @@ class Engine:
         self.cache = PagedKVCache.for_model(cfg, num_blocks, block_size, dtype=param.dtype,
                                             device=param.device, backend=backend,
                                             kv_cache_dtype=kv_cache_dtype, max_num_seqs=max_num_seqs,
-                                            cpu_ops=cpu_ops)
+                                            cpu_ops=cpu_ops, kivi_quantizer=kivi_quantizer)
         self.scheduler = scheduler_cls(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                        watermark)
         self.runner = ModelRunner(model, self.cache, attn_backend)

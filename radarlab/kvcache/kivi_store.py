@@ -32,6 +32,9 @@ groups the step touches, which tail each reads from, which are quantized now and
 a tail. Tails come from a free list; a group whose first position is written afresh reuses the tail a
 previous owner of the block left. When the list runs dry, a tail no sequence of this step touches is
 quantized early (its group as far as it is filled) and freed: it costs precision, never data.
+
+How a key group becomes codes and how many tokens are quantized are the two functions of a
+KiviQuantizer (radarlab.quant.kivi), radarlab's unless one is given: a learner's run here as they are.
 """
 from __future__ import annotations
 
@@ -62,7 +65,8 @@ class KiviStore:
     """Every tensor and the tail bookkeeping of a KIVI-format PagedKVCache."""
 
     def __init__(self, fmt: KVFormat, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, device, num_tail_groups: int | None = None) -> None:
+                 head_dim: int, device, num_tail_groups: int | None = None,
+                 quantizer: kivi.KiviQuantizer | None = None) -> None:
         g = fmt.group_size
         if block_size % g:
             raise ValueError(f"kivi groups of {g} tokens must divide block_size ({block_size}): a key group "
@@ -87,6 +91,38 @@ class KiviStore:
         self.plan: dict | None = None
         self.quantize_groups = None  # the step's group-write kernel (begin_step); None: the torch code
         self.fresh: tuple | None = None  # (layer, k [n, g, H, D], v): the last write's groups in 16-bit
+        q = kivi.KiviQuantizer() if quantizer is None else quantizer
+        self.quantized_length = q.quantized_length
+        self.quantize_keys = q.quantize_keys or (lambda k, g: kivi.quantize_key_codes(
+            k, g, fmt.scale_dtype, fmt.int8_zeros))
+        if quantizer is not None:
+            self._check_quantizer(H, D)
+
+    def _check_quantizer(self, H: int, D: int) -> None:
+        """One call of each given function on a probe, so a wrong shape or dtype fails here, by name,
+        rather than deep inside a forward pass."""
+        g, R = self.group, self.fmt.residual
+        for t in range(4 * g + R + 1):
+            n = self.quantized_length(t, g, R)
+            if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= t or n % g:
+                raise ValueError(f"kivi_quantizer.quantized_length({t}, {g}, {R}) returned {n!r}: expected "
+                                 f"an int from 0 to {t}, a multiple of the group size {g}")
+        probe = torch.randn(2 * g, H, D, generator=torch.Generator().manual_seed(0)).to(self.k.device)
+        out = self.quantize_keys(probe, g)
+        want = [("codes", (2 * g, H, D), torch.uint8), ("scales", (2, H, D), self.k_scales.dtype),
+                ("zeros", (2, H, D), self.k_zeros.dtype)]
+        if not isinstance(out, (tuple, list)) or len(out) != 3:
+            raise ValueError(f"kivi_quantizer.quantize_keys(k, {g}) must return (codes, scales, zeros), got "
+                             f"{type(out).__name__}")
+        for (label, shape, dtype), x in zip(want, out):
+            tensor = isinstance(x, torch.Tensor)
+            if not tensor or (tuple(x.shape), x.dtype) != (shape, dtype):
+                got = f"{x.dtype} of shape {tuple(x.shape)}" if tensor else type(x).__name__
+                raise ValueError(f"kivi_quantizer.quantize_keys(k [{2 * g}, {H}, {D}], {g}): {label} must be "
+                                 f"{dtype} of shape {shape} ({self.fmt.name} stores them so), got {got}")
+        if bool((out[0] > 15).any()):
+            raise ValueError(f"kivi_quantizer.quantize_keys: codes must be 4-bit (0..15), got "
+                             f"{int(out[0].max())}")
 
     def block_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros]
@@ -112,8 +148,8 @@ class KiviStore:
         skip: dict[tuple[int, int], int] = {}  # rows left out of the group's range: the sink, kept in 16-bit
         for b, seq_len in enumerate(seq_lens.tolist()):
             first_new = seq_len - (bounds[b + 1] - bounds[b])
-            done_before = kivi.quantized_length(first_new, g, R)
-            quantized = kivi.quantized_length(seq_len, g, R)
+            done_before = self.quantized_length(first_new, g, R)
+            quantized = self.quantized_length(seq_len, g, R)
             for j in range(done_before // g, cdiv(seq_len, g)):
                 start = j * g
                 block, gib = tables[b][start // B], (start % B) // g
@@ -242,10 +278,9 @@ class KiviStore:
             return self.quantize_groups(ks, vs, blocks, groups, self.k[layer], self.k_scales[layer],
                                         self.k_zeros[layer], self.v[layer], self.v_scales[layer],
                                         self.v_zeros[layer], self.fmt, self.block_size)
-        packed, scales, zeros = kivi.quantize_keys(ks.reshape(n * g, H, D), g, self.fmt.scale_dtype,
-                                                   self.fmt.int8_zeros)
+        codes, scales, zeros = self.quantize_keys(ks.reshape(n * g, H, D), g)
         slots = self._rows(blocks, groups).reshape(-1)
-        self.k[layer].view(-1, H, D // 2)[slots] = packed
+        self.k[layer].view(-1, H, D // 2)[slots] = int4.pack(codes)
         self.k_scales[layer][blocks, groups] = scales
         self.k_zeros[layer][blocks, groups] = zeros
         packed, scales, zeros = int4.quantize(vs.reshape(n * g, H, D), g, False, self.fmt.scale_dtype,

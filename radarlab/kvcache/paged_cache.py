@@ -25,7 +25,9 @@ dequantize only the blocks a step reads. A rotated format rotates K (stored) and
 by the same orthogonal matrix, so scores are unchanged up to quantization error; with `vrot` it rotates
 V too and the attention output back (o = o' R^T per head, on both backends), which leaves the output
 unchanged up to quantization error. A `sink<N>` format keeps each sequence's first N tokens in 16-bit
-beside the blocks (sink_store.py; torch backend).
+beside the blocks (sink_store.py; torch backend). kivi_quantizer (radarlab.quant.kivi.KiviQuantizer):
+a KIVI cache's key quantizer and quantized_length, radarlab's unless given; torch backend only, since
+the Triton kernels build radarlab's own in.
 """
 from __future__ import annotations
 
@@ -77,6 +79,7 @@ class PagedKVCache:
         num_tail_groups: int | None = None,
         num_sinks: int | None = None,
         cpu_ops: bool | None = None,
+        kivi_quantizer=None,
     ) -> None:
         for name, value in [("num_layers", num_layers), ("num_blocks", num_blocks),
                             ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)]:
@@ -94,9 +97,13 @@ class PagedKVCache:
         self.backend = backend
         self.dtype = dtype  # what attention returns; the pool itself stores fmt.storage_dtype
         lead = (num_layers, num_blocks, block_size, num_kv_heads)
+        if kivi_quantizer is not None and (fmt.kind != "kivi" or backend != "torch"):
+            raise ValueError(f"kivi_quantizer needs a kivi kv_cache_dtype and the torch backend (the Triton "
+                             f"kernels quantize and settle groups by radarlab's rule); got {fmt.name!r} "
+                             f"on backend {backend!r}")
         if fmt.kind == "kivi":  # its own layout: key scales per group of tokens, 16-bit tails (kivi_store.py)
             self.kivi = KiviStore(fmt, num_layers, num_blocks, block_size, num_kv_heads, head_dim, device,
-                                  num_tail_groups)
+                                  num_tail_groups, kivi_quantizer)
             self.k, self.v = self.kivi.k, self.kivi.v
             self.k_scales, self.v_scales = self.kivi.k_scales, self.kivi.v_scales
             self.k_zeros, self.v_zeros = self.kivi.k_zeros, self.kivi.v_zeros
@@ -141,12 +148,13 @@ class PagedKVCache:
     def for_model(cls, config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu",
                   backend: str = "torch", kv_cache_dtype: str | KVFormat = "auto", k_scale=1.0,
                   v_scale=1.0, max_num_seqs: int | None = None,
-                  cpu_ops: bool | None = None) -> "PagedKVCache":
+                  cpu_ops: bool | None = None, kivi_quantizer=None) -> "PagedKVCache":
         """max_num_seqs sizes what a format keeps per sequence (KIVI's tails, the sinks); None: 64."""
         fmt = kv_format(kv_cache_dtype)
         tails = default_tail_groups(fmt, max_num_seqs) if max_num_seqs and fmt.kind == "kivi" else None
         return cls(config.num_layers, num_blocks, config.num_kv_heads, config.head_dim, block_size,
-                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs, cpu_ops)
+                   dtype, device, backend, kv_cache_dtype, k_scale, v_scale, tails, max_num_seqs, cpu_ops,
+                   kivi_quantizer)
 
     def set_kv_scales(self, k_scale, v_scale) -> None:
         """fp8's static scales, one per layer: a number (every layer), a tensor [num_layers], or per head

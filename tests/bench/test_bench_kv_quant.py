@@ -74,3 +74,21 @@ def test_bad_config_raises():
         QuantBenchConfig(chunk_len=64, attn_tokens=128)
     with pytest.raises(ValueError, match="scales"):
         QuantBenchConfig(schemes=(Scheme("x", "fp8_e4m3", "per-channel"),))
+
+
+def test_perplexity_runs_a_given_kivi_quantizer(tiny):
+    """perplexity(..., kivi_quantizer=...) scores the functions given: a quantized_length that never
+    quantizes keeps every token in the 16-bit tails, the perplexity of a float16 cache."""
+    import torch
+
+    from radarlab.bench.kv_quant import perplexity
+    from radarlab.quant.kivi import KiviQuantizer
+
+    gens = [torch.Generator().manual_seed(s) for s in (1, 2)]
+    chunks = [torch.randint(0, 128, (40,), generator=g).tolist() for g in gens]
+    with torch.no_grad():
+        fp16 = perplexity(tiny, Scheme("16-bit", "float16"), chunks, 16)
+        kivi = perplexity(tiny, Scheme("kivi", "kivi_g8"), chunks, 16)
+        never = perplexity(tiny, Scheme("kivi", "kivi_g8"), chunks, 16,
+                           kivi_quantizer=KiviQuantizer(quantized_length=lambda n, g, r: 0))
+    assert math.isclose(never, fp16, rel_tol=1e-5) and not math.isclose(kivi, fp16, rel_tol=1e-5)

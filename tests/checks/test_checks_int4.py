@@ -7,11 +7,15 @@ import torch
 
 from radarlab.checks import (
     check_int4_bytes_per_token,
+    check_kivi_keys,
     check_pack_nibbles,
     check_quantize_group,
+    check_quantized_length,
     reference_int4_bytes_per_token,
     reference_quantize_group,
 )
+from radarlab.quant import int4, kivi
+from radarlab.util import cdiv
 
 # --- pack_nibbles --------------------------------------------------------------------------------
 
@@ -175,3 +179,107 @@ def _strided_groups(x, group_size):  # group j takes every (n / g)-th value, not
 def test_quantize_group_strided_groups_are_described(verdict):
     verdict(check_quantize_group, _strided_groups, "for x = [-1, 1, 2, 5], groups of 2, group 1's zero point "
                                                    "is 1, expected its minimum 2")
+
+
+# --- the main exercise: quantize_keys_per_channel and quantized_length ---------------------------
+
+def kivi_keys_reference(k, group_size):  # the notebook's answer
+    t, h, d = k.shape
+    groups = k.float().reshape(t // group_size, group_size, h, d)  # a group's g tokens on axis 1
+    zeros = groups.amin(1).half()
+    scales = ((groups.amax(1) - zeros.float()) / 15).clamp(min=2.0**-24).half()
+    codes = torch.round((groups - zeros.float()[:, None]) / scales.float()[:, None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(t, h, d), scales, zeros
+
+
+def _per_token(k, group_size):  # groups of g channels of one token, along head_dim: the per-token layout
+    codes, scales, zeros = int4.quantize_codes(k, group_size, symmetric=False)
+    return codes, scales, zeros
+
+
+def _reshape_not_permute(k, group_size):  # [T/g, H, D, g] by reshape: a "group" is g channels of a token
+    t, h, d = k.shape
+    groups = k.reshape(t // group_size, h, d, group_size)
+    zeros = groups.amin(-1).half()
+    scales = ((groups.amax(-1) - zeros.float()) / 15).clamp(min=2.0**-24).half()
+    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(t, h, d), scales, zeros
+
+
+def _symmetric(k, group_size):  # the symmetric grid: no zero point, codes centred on 8
+    t, h, d = k.shape
+    groups = k.reshape(t // group_size, group_size, h, d)
+    scales = (groups.abs().amax(1) / 7).clamp(min=2.0**-24).half()
+    codes = (torch.round(groups / scales.float()[:, None]).clamp(-8, 7) + 8).to(torch.uint8)
+    return codes.reshape(t, h, d), scales, torch.zeros_like(scales)
+
+
+def _fp32_scales(k, group_size):  # exact float32 scales and zeros: not what the cache stores
+    codes, scales, zeros = kivi_keys_reference(k, group_size)
+    return codes, scales.float(), zeros.float()
+
+
+def _packed(k, group_size):  # packs the codes: the cache packs them itself
+    return kivi.quantize_keys(k, group_size)
+
+
+@pytest.mark.parametrize("fn", [kivi_keys_reference, kivi.quantize_key_codes])
+def test_kivi_keys_references_pass(verdict, fn):
+    verdict(check_kivi_keys, fn)
+
+
+def test_the_notebook_answer_is_radarlab_quantizer_bit_for_bit():
+    k = torch.randn(64, 3, 64, generator=torch.Generator().manual_seed(1)) * 3
+    for mine, theirs in zip(kivi_keys_reference(k, 32), kivi.quantize_key_codes(k, 32)):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_per_token, "one per token and group of g channels, along head_dim"),
+    (_reshape_not_permute, "reduce over the g tokens of a group"),
+    (_symmetric, "asymmetric: the zero point is the group's minimum"),
+    (_fp32_scales, "scales have dtype torch.float32; the cache stores them in torch.float16"),
+    (_packed, "codes has shape (4, 1, 2), expected (4, 1, 4) (one code per key value, unpacked)"),
+])
+def test_kivi_keys_mistakes_are_described(verdict, fn, words):
+    verdict(check_kivi_keys, fn, words)
+
+
+def quantized_length_reference(num_tokens, group_size, residual):  # the notebook's answer
+    return max(0, num_tokens - residual) // group_size * group_size
+
+
+def _no_window(num_tokens, group_size, residual):
+    return num_tokens // group_size * group_size
+
+
+def _rounds_up(num_tokens, group_size, residual):
+    return max(0, cdiv(num_tokens - residual, group_size) * group_size)
+
+
+def _negative(num_tokens, group_size, residual):  # no floor at 0: -108 // 32 is -4
+    return (num_tokens - residual) // group_size * group_size
+
+
+def _one_short(num_tokens, group_size, residual):  # off by one: a complete group waits one token more
+    return max(0, num_tokens - residual - 1) // group_size * group_size
+
+
+def _float(num_tokens, group_size, residual):
+    return max(0, num_tokens - residual) // group_size * float(group_size)
+
+
+@pytest.mark.parametrize("fn", [quantized_length_reference, kivi.quantized_length])
+def test_quantized_length_references_pass(verdict, fn):
+    verdict(check_quantized_length, fn)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_no_window, "num_tokens=159, group_size=32, residual=128 it returned 128, expected 0 (leave the newest"),
+    (_rounds_up, "num_tokens=31, group_size=32, residual=0 it returned 32, expected 0 (only whole groups"),
+    (_negative, "returned -128, expected 0 (fewer tokens than the window"),
+    (_one_short, "num_tokens=32, group_size=32, residual=0 it returned 0, expected 32 (off by one group"),
+    (_float, "returned 0.0 (float); expected the int 0"),
+])
+def test_quantized_length_mistakes_are_described(verdict, fn, words):
+    verdict(check_quantized_length, fn, words)

@@ -8,7 +8,7 @@ import torch
 from radarlab.attention.backends import attention_forward, build_metadata, write_kv
 from radarlab.attention.reference import attention_reference
 from radarlab.kvcache.paged_cache import PagedKVCache
-from radarlab.quant import kivi
+from radarlab.quant import int4, kivi
 from radarlab.util import cdiv
 
 from cache_steps import seeded, step_metadata
@@ -166,3 +166,75 @@ def test_a_kivi_step_is_planned_once_before_layer_0():
     k, v, q = _x(6, H, D, seed=4), _x(6, H, D, seed=5), _x(6, 4, D, seed=6)
     with pytest.raises(ValueError, match="build the step's metadata once"):
         attention_forward(cache, 1, q, k, v, _meta([6], [6], [[2]]), 0.25)
+
+
+def _tiny_model():
+    from radarlab.models.llama import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    return Llama(cfg).eval()
+
+
+def test_the_engine_runs_a_kivi_quantizer_given_as_an_argument():
+    """Engine(kivi_quantizer=...) -> PagedKVCache -> KiviStore: radarlab's functions passed in give the
+    default's tokens, and they are the ones called."""
+    from radarlab.engine.llm_engine import Engine
+    from radarlab.sample.sampling_params import SamplingParams
+
+    model, calls = _tiny_model(), []
+
+    def counted(k, g):
+        calls.append(k.shape[0])
+        return kivi.quantize_key_codes(k, g)
+
+    prompts = [list(range(1, 12)), [3, 4], [5, 6, 7, 8, 9]]
+    runs = {}
+    for who, quantizer in [("default", None), ("given", kivi.KiviQuantizer(counted, kivi.quantized_length))]:
+        engine = Engine(model, 30, block_size=4, kv_cache_dtype="kivi_g4_r4", kivi_quantizer=quantizer)
+        runs[who] = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=9))]
+    assert runs["given"] == runs["default"] and [len(o) for o in runs["given"]] == [9, 9, 9]
+    assert len(calls) > 1 and all(n % 4 == 0 for n in calls)  # the probe, then every group write
+
+
+def test_a_given_quantized_length_decides_what_is_quantized():
+    never = kivi.KiviQuantizer(quantized_length=lambda n, g, r: 0)  # every group stays in a 16-bit tail
+    q, k, v = _x(11, 4, D, seed=1), _x(11, H, D, seed=2), _x(11, H, D, seed=3)
+    caches = {who: PagedKVCache(1, 4, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", kivi_quantizer=quant)
+              for who, quant in (("radarlab", None), ("never", never))}
+    outs = {who: attention_forward(c, 0, q, k, v, _meta([11], [11], [[0, 1]]), 0.25)
+            for who, c in caches.items()}
+    assert int((caches["radarlab"].kivi.tail_of >= 0).sum()) == 1  # only the partial group
+    assert int((caches["never"].kivi.tail_of >= 0).sum()) == 3
+    assert torch.allclose(outs["never"], attention_reference(q, k, v, 0.25), atol=1e-5)  # all 16-bit
+    assert not torch.allclose(outs["radarlab"], outs["never"], atol=1e-4)
+
+
+def _per_token(k, g):  # groups of g along head_dim, a scale per token: not the cache's layout
+    codes, scales, zeros = int4.quantize_codes(k, g, symmetric=False)
+    return codes, scales, zeros
+
+
+def _fp32_scales(k, g):
+    codes, scales, zeros = kivi.quantize_key_codes(k, g)
+    return codes, scales.float(), zeros
+
+
+@pytest.mark.parametrize("quantizer, words", [
+    (kivi.KiviQuantizer(_per_token), r"scales must be torch.float16 of shape \(2, 2, 16\).* \(8, 2, 4\)"),
+    (kivi.KiviQuantizer(_fp32_scales), r"scales must be torch.float16 .*got torch.float32 of shape"),
+    (kivi.KiviQuantizer(lambda k, g: kivi.quantize_keys(k, g)),  # packed: half the codes' width
+     r"codes must be torch.uint8 of shape \(8, 2, 16\).*got torch.uint8 of shape \(8, 2, 8\)"),
+    (kivi.KiviQuantizer(quantized_length=lambda n, g, r: n), r"quantized_length\(1, 4, 0\) returned 1"),
+])
+def test_a_bad_kivi_quantizer_is_refused_when_the_cache_is_built(quantizer, words):
+    with pytest.raises(ValueError, match=words):
+        PagedKVCache(1, 4, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", kivi_quantizer=quantizer)
+
+
+def test_a_kivi_quantizer_needs_a_kivi_format_on_the_torch_backend():
+    for dtype, backend in (("int4_g8_asym", "torch"), ("kivi_g4", "triton")):
+        with pytest.raises(ValueError, match="needs a kivi kv_cache_dtype and the torch backend"):
+            PagedKVCache(1, 4, H, D, block_size=BLOCK, kv_cache_dtype=dtype, backend=backend,
+                         kivi_quantizer=kivi.KiviQuantizer())

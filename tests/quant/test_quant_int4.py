@@ -154,3 +154,37 @@ def test_rotation_bad_inputs():
     with pytest.raises(ValueError, match=r"rotation must be \[8, 8\]"):
         rotate(_x(2, 8), random_orthogonal(4))
     assert torch.equal(random_orthogonal(8, seed=1), random_orthogonal(8, seed=1))
+
+
+@pytest.mark.parametrize("tokens, keys, values",
+                         [(100, 0, 0), (128, 128, 0), (200, 128, 72), (300, 256, 172)])
+def test_kivi_rule_keeps_t_mod_r_keys_and_a_window_of_r_values(tokens, keys, values):
+    """KIVI's code: keys quantized R at a time (T mod R left in 16-bit), values all but the newest R;
+    radarlab's rule leaves at least R of both, whole groups."""
+    assert kivi.quantized_lengths(tokens, 32, 128, rule="kivi") == (keys, values)
+    n = kivi.quantized_length(tokens, 32, 128)
+    assert kivi.quantized_lengths(tokens, 32, 128) == (n, n) and tokens - n >= min(tokens, 128)
+    k, v = _x(tokens, 2, 64, seed=3), _x(tokens, 2, 64, seed=4)
+    kv = kivi.quantize(k, v, 32, 128, rule="kivi")
+    assert (kv.num_quantized, kv.values[0].shape[0]) == (keys, values)
+    assert (kv.k_tail.shape[0], kv.v_tail.shape[0]) == (tokens - keys, tokens - values)
+    kb, vb = kivi.dequantize(kv)
+    assert torch.equal(vb[values:], v[values:].half().float())  # the tails are only rounded to 16-bit
+    assert torch.equal(kb[keys:], k[keys:].half().float())
+    if values:
+        assert 0 < float((vb[:values] - v[:values]).abs().max()) < 0.5
+
+
+def test_kivi_rule_needs_a_window_of_whole_groups():
+    with pytest.raises(ValueError, match="positive multiple of group_size"):
+        kivi.quantized_lengths(100, 32, 48, rule="kivi")
+    with pytest.raises(ValueError, match="rule must be one of"):
+        kivi.quantized_lengths(100, 32, 64, rule="KIVI")
+
+
+def test_key_codes_are_the_packed_keys_unpacked():
+    k = _x(64, 2, 64, seed=5)
+    codes, scales, zeros = kivi.quantize_key_codes(k, 32)
+    packed, s2, z2 = kivi.quantize_keys(k, 32)
+    assert codes.shape == k.shape and torch.equal(int4.pack(codes), packed)
+    assert torch.equal(scales, s2) and torch.equal(zeros, z2) and scales.dtype == torch.float16

@@ -6,7 +6,6 @@ from radarlab.attention.backends.paged_attn import PagedBackend
 from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.quant.kivi import quantized_length
 
 
 class QuantizedBackend(PagedBackend):
@@ -48,9 +47,9 @@ class QuantizedTorchBackend(QuantizedBackend):
         k_pool, v_pool = kv_cache.layer_pools(layer)
         settling = None
         if kv_cache.kivi is not None:  # a query reads what it would have read as the newest token
-            fmt = kv_cache.kv_format
+            fmt, settled = kv_cache.kv_format, kv_cache.kivi.quantized_length
             settling = (*kv_cache.layer_pools(layer, fresh=True),
-                        lambda n: quantized_length(n, fmt.group_size, fmt.residual))
+                        lambda n: settled(n, fmt.group_size, fmt.residual))
         return paged_attention_torch(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
                                      meta.query_start_loc, scale, check=False, settling=settling)
 
