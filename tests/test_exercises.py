@@ -66,6 +66,28 @@ def learner_copies(tmp_path_factory):
     return out, result.stdout
 
 
+@pytest.fixture(scope="module")
+def fresh_course_copies(tmp_path_factory):
+    """`make exercises` on the course notebooks as they are now, into a temporary folder."""
+    out = tmp_path_factory.mktemp("course") / "exercises"
+    result = subprocess.run(["make", "-s", "exercises", f"EXERCISES_OUT={out}"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=MAKE_TIMEOUT_S)
+    assert result.returncode == 0, f"make exercises failed:\n{result.stdout}\n{result.stderr}"
+    return out
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_learner_copies_are_fresh(fresh_course_copies, path):
+    """notebooks/exercises/ is what learners open: it must be what `make exercises` makes of the
+    notebooks now, cell for cell, so a change to a notebook cannot leave a stale copy behind."""
+    committed = ROOT / "notebooks" / "exercises" / path.name
+    assert committed.exists(), f"{committed} is missing: run `make exercises`"
+    want, got = (_read(fresh_course_copies / path.name), _read(committed))
+    cells = [(c["cell_type"], _text(c)) for c in want["cells"]]
+    assert [(c["cell_type"], _text(c)) for c in got["cells"]] == cells, (
+        f"notebooks/exercises/{path.name} is stale: run `make exercises` and commit it")
+
+
 def test_solution_replaced_and_text_around_markers_kept(learner_copies):
     out, _ = learner_copies
     nb = nbformat.read(out / "00_demo.ipynb", as_version=4)
