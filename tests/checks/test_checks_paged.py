@@ -233,22 +233,25 @@ def test_slot_mapping_off_by_one(verdict, fn, message):
 # --- block_pool (the main exercise): BlockPool's five methods written again on its own state -----------
 
 class Pool(BlockPool):
-    """A learner's solution: BlockPool's state and helpers, the five methods of the exercise rewritten."""
+    """A learner's solution: BlockPool's state and helpers, the five methods of the exercise rewritten
+    (which block a fresh allocation takes is _take, so that a mistake can change just that)."""
 
     def allocate_many(self, n):
         if n > self.num_free_blocks:
             raise NoFreeBlocks(f"need {n}, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            if self.free_block_ids:
-                block_id = self.free_block_ids.popleft()
-            else:
-                block_id = next(iter(self.evictable))
-                del self.evictable[block_id]
-                self._drop_hash(block_id)
+            block_id = self._take()
             self.ref_counts[block_id] = 1
             out.append(block_id)
         return out
+
+    def _take(self):
+        if self.free_block_ids:
+            return self.free_block_ids.popleft()
+        block_id, _ = self.evictable.popitem(last=False)
+        self._drop_hash(block_id)
+        return block_id
 
     def incref(self, block_id):
         if self.ref_counts[block_id] == 0:
@@ -293,19 +296,11 @@ class _FreeForgetsCache(Pool):  # a freed block always returns to the free list,
 
 
 class _EvictsNewest(Pool):  # evicts the most recently freed cached block
-    def allocate_many(self, n):
-        if n > self.num_free_blocks:
-            raise NoFreeBlocks("short")
-        out = []
-        for _ in range(n):
-            if self.free_block_ids:
-                block_id = self.free_block_ids.popleft()
-            else:
-                block_id, _ = self.evictable.popitem(last=True)
-                self._drop_hash(block_id)
-            self.ref_counts[block_id] = 1
-            out.append(block_id)
-        return out
+    def _take(self):
+        if self.free_block_ids:
+            return self.free_block_ids.popleft()
+        self.evictable.move_to_end(next(reversed(self.evictable)), last=False)
+        return super()._take()
 
 
 class _IncrefLeavesEvictable(Pool):  # a revived block stays in the evictable set: it could be handed out
@@ -321,19 +316,13 @@ class _SkipsMisses(Pool):  # keeps looking after a miss
 
 
 class _EvictsFirst(Pool):  # takes a cached free block before a never-cached one
-    def allocate_many(self, n):
-        if n > self.num_free_blocks:
-            raise NoFreeBlocks("short")
-        out = []
-        for _ in range(n):
-            if self.evictable:
-                block_id, _ = self.evictable.popitem(last=False)
-                self._drop_hash(block_id)
-            else:
-                block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
-            out.append(block_id)
-        return out
+    def _take(self):
+        if not self.evictable:
+            return self.free_block_ids.popleft()
+        free, self.free_block_ids = self.free_block_ids, deque()
+        block_id = super()._take()
+        self.free_block_ids = free
+        return block_id
 
 
 class _Partial(Pool):  # takes what there is before finding out it is not enough
@@ -345,18 +334,8 @@ class _Partial(Pool):  # takes what there is before finding out it is not enough
 
 
 class _KeepsEvictedHash(Pool):  # evicts a block but leaves its hash pointing at it
-    def allocate_many(self, n):
-        if n > self.num_free_blocks:
-            raise NoFreeBlocks("short")
-        out = []
-        for _ in range(n):
-            if self.free_block_ids:
-                block_id = self.free_block_ids.popleft()
-            else:
-                block_id, _ = self.evictable.popitem(last=False)
-            self.ref_counts[block_id] = 1
-            out.append(block_id)
-        return out
+    def _drop_hash(self, block_id):
+        pass
 
 
 class _RecachesDuplicate(Pool):  # a second block with the same content replaces the cached one
