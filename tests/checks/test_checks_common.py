@@ -30,6 +30,6 @@ def test_every_notebook_has_checkers():
 
 @pytest.mark.parametrize("name", CHECKERS)
 def test_a_stub_reads_as_not_written_yet(verdict, name):
-    out = verdict(getattr(checks, name), STUBS.get(name, stub), "is not written yet (it raises NotImplementedError)",
-                  EXERCISE.get(name))
+    out = verdict(getattr(checks, name), STUBS.get(name, stub),
+                  "is not written yet (it raises NotImplementedError)", EXERCISE.get(name))
     assert "Traceback" not in out
