@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import pytest
-
 import torch
 
 from radarlab.attention.backends.contiguous_attn import ContiguousBackend
