@@ -7,10 +7,7 @@ Notebooks call them as `radarlab.checks.<checker>(...)`, so every checker is imp
 from radarlab.checks.common import call_learner, learner_or_reference, verdict
 from radarlab.checks.nb00_rms_norm import check_rms_norm
 from radarlab.checks.nb01_kv_arithmetic import check_kv_bytes_per_token, check_max_streams
-from radarlab.checks.nb02_contiguous_cache import (
-    check_append_to_contiguous_cache,
-    check_reservation_utilisation,
-)
+from radarlab.checks.nb02_contiguous_cache import check_contiguous_attention, check_reservation_utilisation
 from radarlab.checks.nb03_paged_cache import (
     check_append_with_cow,
     check_block_pool,
@@ -59,7 +56,7 @@ __all__ = [
     "check_rms_norm",
     "check_kv_bytes_per_token",
     "check_max_streams",
-    "check_append_to_contiguous_cache",
+    "check_contiguous_attention",
     "check_reservation_utilisation",
     "check_slot_mapping",
     "check_ref_count_allocator",

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from radarlab.attention.backends import build_metadata
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.kvcache.contiguous import ContiguousKVCache
 from radarlab.util import require_int
@@ -25,9 +26,10 @@ def check_prompts(prompts: list[list[int]], max_new_tokens: int, max_len: int) -
 
 @torch.inference_mode()
 def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
-                    eos_token_id: int | None = None) -> list[list[int]]:
+                    eos_token_id: int | None = None, backend=None) -> list[list[int]]:
     """Generate for all prompts at once (packed prefill, then batched decode). Returns new tokens only;
-    a sequence that emits eos_token_id keeps it and stops."""
+    a sequence that emits eos_token_id keeps it and stops. `backend` runs every layer's attention
+    (default: the contiguous cache's, radarlab.attention.backends.contiguous_attn)."""
     cfg = model.config
     check_prompts(prompts, max_new_tokens, cfg.max_position_embeddings)
     device = next(model.parameters()).device
@@ -40,7 +42,8 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int,
     step_tokens = [list(p) for p in prompts]
     while active:
         q_lens = [len(step_tokens[i]) for i in active]
-        meta = AttentionMetadata.from_lens(q_lens, [lens[i] for i in active], cache_rows=torch.tensor(active))
+        meta = build_metadata(cache, AttentionMetadata.from_lens(q_lens, [lens[i] for i in active],
+                                                                 cache_rows=torch.tensor(active)), backend)
         ids = torch.tensor([t for i in active for t in step_tokens[i]], device=device)
         logits = model(ids, meta.positions.to(device), cache, meta,
                        logits_indices=meta.query_start_loc[1:] - 1)

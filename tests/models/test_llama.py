@@ -55,6 +55,22 @@ def test_batched_greedy_equals_one_at_a_time(model, prompts):
     assert batched == alone
 
 
+def test_greedy_generate_runs_the_backend_it_is_given(model, prompts):
+    """greedy_generate(backend=ContiguousBackend(fn)) runs fn in every layer of every step (notebook 02's
+    seam): a step that counts its calls, then does radarlab's, gives radarlab's tokens."""
+    from radarlab.attention.backends.contiguous_attn import ContiguousBackend, contiguous_attention
+
+    calls = []
+
+    def counting(q, k, v, k_cache, v_cache, meta, scale):
+        calls.append(meta.num_seqs)
+        return contiguous_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+    assert greedy_generate(model, prompts[:2], 3, backend=ContiguousBackend(counting)) == \
+        greedy_generate(model, prompts[:2], 3)
+    assert calls == [2] * (3 * model.config.num_layers)  # a packed prefill, two decode steps, 30 layers
+
+
 def test_rope_rotation_preserves_norm_and_relative_angle():
     cfg = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=2,
                       num_kv_heads=1, head_dim=4, rope_theta=10000.0)

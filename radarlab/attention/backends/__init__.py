@@ -24,7 +24,8 @@ Each configuration, then its backend; its KV write; its attention:
   KiviStore.write); torch_paged.paged_attention_torch over QuantizedPool views
 - backend="triton", any quantized dtype: QuantizedTritonBackend; triton_quant.triton_quant_reshape_and_cache
   (KIVI: triton_kivi_quantize_groups); triton_quant.triton_quant_paged_attention
-- ContiguousKVCache (notebook 02, generate.py): ContiguousBackend; contiguous.append_to_row;
+- ContiguousKVCache (notebook 02, generate.py): ContiguousBackend, whose per-layer step is a
+  constructor argument (default contiguous_attn.contiguous_attention); contiguous.append_to_row;
   reference.attention_reference
 
 The reference math (reference.py) and torch_paged.py's split-KV decode are what the kernels are
