@@ -129,23 +129,36 @@ def check_throughput(r: Reader, doc: dict, kind: str) -> None:
     r.get(env, ("environment",), "torch_threads", int)
     r.get(env, ("environment",), "cpu_capability", str)
     r.get(env, ("environment",), "cpu_native_bf16", bool)
-    r.get(env, ("environment",), "vllm_vllm_version", str)
     r.get(env, ("environment",), "dtype_notes", dict, optional=True)
+    systems = r.get(r.get(doc, (), "parameters", dict), ("parameters",), "systems", list)
+    unknown = sorted(set(systems) - set(throughput.SYSTEMS))
+    r.check(not unknown, ("parameters", "systems"), f"names unknown systems {unknown}")
+    r.check("radarlab" in systems and any(s in systems for s in throughput.VLLM_EAGER),
+            ("parameters", "systems"), "a full run has radarlab and vLLM (default or eager mode) at least")
+    for system, eager in throughput.VLLM_EAGER.items():
+        if system in systems:  # format_run_header and format_vllm_modes read these
+            where = ("environment",)
+            r.get(env, where, f"{system}_vllm_version", str)
+            r.get(env, where, f"{system}_init_s", NUM)
+            comp = r.get(env, where, f"{system}_compilation", dict)
+            r.check(comp.get("enforce_eager") is eager, (*where, f"{system}_compilation"),
+                    f"must say enforce_eager {eager}: that is what {system} means")
     cells = set()
     for p, row in r.rows(doc, (), "results"):
-        system = r.one_of(row, p, "system", throughput.SYSTEMS)
+        system = r.one_of(row, p, "system", tuple(systems))
         dtype = r.one_of(row, p, "dtype", throughput.DTYPES)
         cells.add((system, dtype, r.get(row, p, "batch_size", int)))
         r.get(row, p, "tokens_per_s", NUM)
-    grid = {(s, d, b) for s in throughput.SYSTEMS for _, d, b in cells}
+    grid = {(s, d, b) for s in systems for _, d, b in cells}
     r.check(cells == grid, ("results",),
-            f"lacks {sorted(grid - cells)}: a full run has every system at every "
+            f"lacks {sorted(grid - cells)}: a full run has every system it names at every "
                                          f"dtype and batch size")
     ratio_cells = set()
     for p, row in r.rows(doc, (), "ratios"):
         ratio_cells.add((r.get(row, p, "dtype", str), r.get(row, p, "batch_size", int)))
-        for other in throughput.SYSTEMS[1:]:
-            r.get(row, p, f"radarlab_over_{other}", NUM)
+        for other in systems:
+            if other != "radarlab":
+                r.get(row, p, f"radarlab_over_{other}", NUM)
     r.check(ratio_cells == {(d, b) for _, d, b in cells}, ("ratios",),
             "must have one row per dtype and batch size")
     for p, row in r.rows(doc, (), "limits", optional=True):

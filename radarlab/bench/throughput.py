@@ -10,11 +10,15 @@ prefill included, is the figure (vLLM's `benchmark_throughput` reports the same 
   buy, measured in the same run.
 - transformers: `generate` with static batching, prompts left-padded to the longest (its default
   sdpa attention).
-- vLLM: the CPU build (or CUDA build) through the validation harness, one process per dtype; its
-  LLM.generate is timed inside the worker, so start-up is excluded as for the others. Prefix
-  caching is off: the batches share prompts, and a hit would skip work the others do.
+- vllm: the CPU build (or CUDA build) through the validation harness in its default mode, as users
+  run it: the model compiled by torch.compile (Inductor; on CUDA also CUDA graphs). One process per
+  dtype; LLM.generate is timed inside the worker, so start-up, compilation included, is excluded as
+  for the others and reported apart (environment: vllm_init_s, vllm_compilation). Prefix caching is
+  off: the batches share prompts, and a hit would skip work the others do.
+- vllm_eager: the same with enforce_eager=True (no compilation): what compiling buys vLLM.
 
-Each system runs one short warm-up batch per dtype first. A cell is one generation of one to ten
+Each system runs a short warm-up first (vLLM: every batch size once, so that whatever it compiles
+for a shape is compiled before the timed runs). A cell is one generation of one to ten
 seconds, and a busy moment of a shared machine moves it by ten percent: with --repeats R every
 system runs each cell R times (vLLM in its one process) and the fastest counts; the JSON keeps all
 (seconds_runs). Greedy outputs are compared with radarlab's as a check that the systems did the
@@ -32,10 +36,12 @@ from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, requ
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
 
-SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm")
+SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm", "vllm_eager")
+VLLM_EAGER = {"vllm": False, "vllm_eager": True}  # each vLLM system and its enforce_eager
 DTYPES = ("bfloat16", "float32")
 
-GOAL = "radarlab >= 1.0x transformers and >= 1.0x vLLM at every batch size, in every dtype"
+GOAL = ("radarlab >= 1.0x transformers and >= 1.0x vLLM in its default (compiled) mode at every batch size, "
+        "in every dtype")
 
 
 def results_path(kind: str) -> Path:
@@ -59,10 +65,29 @@ def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, 
 def format_run_header(path: Path, doc: dict) -> str:
     """The line above a kept run's table: the machine and versions it ran with."""
     env = doc["environment"]
-    vllm = env.get("vllm_vllm_version") or "not run"
+    vllm = env.get("vllm_vllm_version") or env.get("vllm_eager_vllm_version") or "not run"
     return (f"full run ({path.name}): {env['cpu_model']}, kind {env['cpu_kind']}, "
             f"radarlab {env['radarlab']}, torch {env['torch']} with {env['torch_threads']} threads "
-            f"({env['cpu_capability']}, native bf16: {env['cpu_native_bf16']}), vLLM {vllm}")
+            f"({env['cpu_capability']}, native bf16: {env['cpu_native_bf16']}), vLLM {vllm}"
+            f"{format_vllm_modes(doc)}")
+
+
+def format_vllm_modes(doc: dict) -> str:
+    """How each vLLM system of a run ran: compiled (with its start-up, which holds the compilation:
+    the difference from the eager start-up in the same run is what compiling cost) or eager. Runs kept
+    before the default-mode anchor have vllm_eager only."""
+    env, parts = doc["environment"], []
+    ran = [s for s in VLLM_EAGER if any(r["system"] == s for r in doc["results"])]
+    for system in ran:
+        comp = env.get(f"{system}_compilation") or {"enforce_eager": VLLM_EAGER[system]}
+        start = env.get(f"{system}_init_s")
+        start_up = "" if start is None else f", start-up {start:.0f} s"
+        if comp["enforce_eager"]:
+            parts.append(f"{system}: eager (enforce_eager=True){start_up}")
+        else:
+            parts.append(f"{system}: compiled (mode {comp.get('mode')}, backend {comp.get('backend')})"
+                         f"{start_up}, not counted in tokens/s")
+    return "; " + "; ".join(parts) if parts else ""
 
 
 def format_ratios(path: Path, doc: dict) -> str:
@@ -72,7 +97,8 @@ def format_ratios(path: Path, doc: dict) -> str:
     for row in doc["ratios"]:
         parts = [f"radarlab / {label} {row[key]:.2f}x" for key, label in
                  (("radarlab_over_transformers", "transformers"),
-                  ("radarlab_over_vllm", "vLLM")) if key in row]
+                  ("radarlab_over_vllm", "vLLM (default, compiled)"),
+                  ("radarlab_over_vllm_eager", "vLLM eager")) if key in row]
         own = row.get("radarlab_over_radarlab_torch")
         lines.append(f"throughput ({path.name}), {row['dtype']} batch {row['batch_size']}: "
                      + ", ".join(parts) + (f", C++ operators on / off {own:.2f}x" if own else ""))
@@ -180,30 +206,34 @@ def time_transformers(hf_model, pad_token_id: int, prompts: list[list[int]], con
     return out[:, width:].tolist(), seconds
 
 
-def vllm_request(batches: list[list[list[int]]], dtype: str, config: ThroughputConfig) -> dict:
-    """One worker request: a warm-up batch, then one generate() call per batch size."""
+def vllm_request(batches: list[list[list[int]]], dtype: str, config: ThroughputConfig, enforce_eager: bool,
+                 batch_max_tokens: list[int] | None = None) -> dict:
+    """One worker request: one generate() call per batch, in order, on one engine."""
     request = {"kind": "generate", "batches": batches, "dtype": dtype, "max_tokens": config.max_tokens,
                "logprobs": 0, "temperature": 0.0, "ignore_eos": True, "enable_prefix_caching": False,
-               "max_num_seqs": max(config.batch_sizes)}
+               "max_num_seqs": max(config.batch_sizes), "enforce_eager": enforce_eager,
+               "batch_max_tokens": batch_max_tokens}
     if config.model is not None:
         request["model"] = config.model
     return request
 
 
-def time_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig
+def time_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: ThroughputConfig, enforce_eager: bool
               ) -> tuple[list[tuple[list[list[int]], float]], dict]:
-    """[(outputs, seconds) per prompt set], plus what the worker said about itself."""
+    """[(outputs, seconds) per prompt set], plus what the worker said about itself. Every distinct
+    batch runs once first as a short warm-up, untimed."""
     from radarlab.validate.vllm import run_vllm
 
-    warmup = [prompt_sets[0][:2]]
-    response = run_vllm(vllm_request(warmup + prompt_sets, dtype, config))
+    warmup = list({len(p): p for p in prompt_sets}.values())
+    tokens = [_warmup(config).max_tokens] * len(warmup) + [config.max_tokens] * len(prompt_sets)
+    response = run_vllm(vllm_request(warmup + prompt_sets, dtype, config, enforce_eager, tokens))
     outputs = [o["token_ids"] for o in response["outputs"]]
-    results, start = [], len(warmup[0])
-    for prompts, batch in zip(prompt_sets, response["batches"][1:]):
+    results, start = [], sum(len(p) for p in warmup)
+    for prompts, batch in zip(prompt_sets, response["batches"][len(warmup):]):
         results.append((outputs[start:start + len(prompts)], batch["generate_s"]))
         start += len(prompts)
     return results, {"vllm_version": response["vllm_version"], "device": response["device"],
-                     "init_s": response["init_s"]}
+                     "init_s": response["init_s"], "compilation": response["compilation"]}
 
 
 # --- the benchmark ------------------------------------------------------------------------------
@@ -253,10 +283,11 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
                 record("transformers", prompts, [time_transformers(hf_model, pad, prompts, config)
                                                  for _ in range(config.repeats)])
         del hf_model
-        if "vllm" in config.systems:
-            results, info["vllm"] = time_vllm(prompt_sets * config.repeats, dtype_name, config)  # one process
-            for i, prompts in enumerate(prompt_sets):
-                record("vllm", prompts, results[i::len(prompt_sets)])
+        for system, eager in VLLM_EAGER.items():
+            if system in config.systems:  # one process per system and dtype, every repeat in it
+                results, info[system] = time_vllm(prompt_sets * config.repeats, dtype_name, config, eager)
+                for i, prompts in enumerate(prompt_sets):
+                    record(system, prompts, results[i::len(prompt_sets)])
     return measurements, info
 
 
@@ -339,7 +370,8 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     env["cpu_native_bf16"] = cpu_has_native_half()
     env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"])
     env["radarlab_cpu_ops"] = cpu_ops_status()
-    env.update({f"vllm_{k}": v for k, v in info.get("vllm", {}).items()})
+    for system in VLLM_EAGER:
+        env.update({f"{system}_{k}": v for k, v in info.get(system, {}).items()})
     params = asdict(config)
     params["workload"] = ("random token ids, lengths uniform in [min_prompt_len, max_prompt_len], greedy, "
                           "EOS ignored, all requests submitted at once; batch size "

@@ -38,6 +38,9 @@ Generate request (JSON object; only "model" and "prompts" or "batches" are requi
                              vllm:spec_decode_* then appear in each batch's metrics)
     max_model_len            context limit; on CPU at most 2048                (default 2048)
     max_num_seqs             scheduler batch limit, or null                    (default null)
+    enforce_eager            true: run the model eagerly (starts in seconds); false: vLLM's
+                             default mode, the model compiled by torch.compile (Inductor), as
+                             users run it (minutes of start-up on a CPU)    (default true)
     kv_cache_memory_bytes    KV cache size                                     (default 1 GiB on CPU)
     gpu_memory_utilization   CUDA only, when kv_cache_memory_bytes is null     (default 0.5)
     llm_kwargs               extra LLM(...) keyword arguments, for what the fields above miss
@@ -47,7 +50,10 @@ Response: {"ok": true, "vllm_version", "device", "request": <the request with de
 "outputs": [{"token_ids": [...], "finish_reason", "logprobs": [{token_id: logprob}, ...] | null,
 "prompt_logprobs": [null | {token_id: logprob}, ...] | null, "num_cached_tokens": prompt tokens
 served from the prefix cache}, ...] (all batches, in order),
-"batches": [{"num_prompts", "generate_s", "metrics"}], "metrics": {...}, "init_s", "generate_s",
+"batches": [{"num_prompts", "generate_s", "metrics"}], "metrics": {...}, "init_s" (engine start-up,
+compilation included), "generate_s", "compilation": {"enforce_eager", "mode", "backend",
+"cudagraph_mode"} (vLLM's compilation settings as the engine resolved them; the compile time is in
+init_s: vLLM's CPU worker does not count it apart),
 "kv_cache": {"kv_cache_dtype", "block_size", "num_blocks", "num_layers", "bytes", "bytes_per_block",
 "tensors": [{"shape", "dtype"}] (one layer's), "isa", "cpu", "extension"} | null}: the cache vLLM
 allocated, read from the worker's own tensors (bytes_per_block counts every layer's K and V), and
@@ -130,6 +136,7 @@ DEFAULTS = {
     "speculative_config": None,
     "max_model_len": 2048,
     "max_num_seqs": None,
+    "enforce_eager": True,
     "kv_cache_memory_bytes": None,
     "gpu_memory_utilization": 0.5,
     "llm_kwargs": {},
@@ -336,7 +343,7 @@ def _normalize_generate(request: dict) -> dict:
         raise BadRequest(f"temperature must be a number >= 0, got {req['temperature']!r}")
     if not _is_int(req["seed"]):
         raise BadRequest(f"seed must be an integer, got {req['seed']!r}")
-    for name in ("ignore_eos",):
+    for name in ("ignore_eos", "enforce_eager"):
         if not isinstance(req[name], bool):
             raise BadRequest(f"{name} must be true or false, got {req[name]!r}")
     if req["enable_prefix_caching"] is not None and not isinstance(req["enable_prefix_caching"], bool):
@@ -444,7 +451,7 @@ def _run_generate(req: dict) -> dict:
     llm_kwargs = dict(
         model=req["model"],
         dtype=req["dtype"],
-        enforce_eager=True,
+        enforce_eager=req["enforce_eager"],
         max_model_len=req["max_model_len"],
         seed=req["seed"],
         kv_cache_dtype=req["kv_cache_dtype"],
@@ -507,7 +514,21 @@ def _run_generate(req: dict) -> dict:
         "metrics": batches[-1]["metrics"],
         "init_s": init_s,
         "generate_s": total,
+        "compilation": _compilation(llm, req["enforce_eager"]),
     }
+
+
+def _enum_name(value) -> str | None:
+    return None if value is None else getattr(value, "name", str(value))
+
+
+def _compilation(llm, enforce_eager: bool) -> dict:
+    """How vLLM ran the model: its compilation settings after the engine resolved them (with
+    enforce_eager the mode is NONE)."""
+    config = llm.llm_engine.vllm_config.compilation_config
+    return {"enforce_eager": enforce_eager, "mode": _enum_name(config.mode),
+            "backend": config.backend or None,
+            "cudagraph_mode": _enum_name(getattr(config, "cudagraph_mode", None))}
 
 
 def _kv_cache_tensors(worker) -> list:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 SYSTEM_COLOURS = {"radarlab": "tab:blue", "radarlab_torch": "lightsteelblue", "transformers": "tab:orange",
-                  "vllm": "tab:green"}
+                  "vllm": "tab:green", "vllm_eager": "yellowgreen"}
 
 
 def plot_throughput(doc: dict):

@@ -12,7 +12,9 @@ from radarlab.bench.throughput import (
     Measurement,
     ThroughputConfig,
     dtype_notes,
+    format_run_header,
     format_table,
+    format_vllm_modes,
     goal,
     ratios,
     report,
@@ -66,6 +68,32 @@ def test_ratios_and_goal():
                                                    "min_ratio_vllm": None, "at_least_vllm": None}
 
 
+def test_the_goal_is_against_vllm_as_users_run_it():
+    """vllm is vLLM's default (compiled) mode; vllm_eager is reported beside it but is not the goal."""
+    ms = [m("radarlab", 1, 20), m("vllm", 1, 25), m("vllm_eager", 1, 15)]
+    row = ratios(ms)[0]
+    assert row["radarlab_over_vllm"] == pytest.approx(0.8)
+    assert row["radarlab_over_vllm_eager"] == pytest.approx(4 / 3)
+    g = goal(ms)["by_dtype"]["float32"]
+    assert g["min_ratio_vllm"] == pytest.approx(0.8) and g["at_least_vllm"] is False
+    eager_only = goal([m("radarlab", 1, 20), m("vllm_eager", 1, 15)])["by_dtype"]["float32"]
+    assert eager_only["at_least_vllm"] is None
+
+
+def test_each_vllm_system_says_how_it_ran():
+    rows = [m("radarlab", 1, 20).row(), m("vllm", 1, 25).row(), m("vllm_eager", 1, 15).row()]
+    env = {"vllm_init_s": 151.2, "vllm_eager_init_s": 7.9,
+           "vllm_compilation": {"enforce_eager": False, "mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"},
+           "vllm_eager_compilation": {"enforce_eager": True, "mode": "NONE", "backend": "inductor"}}
+    said = format_vllm_modes({"results": rows, "environment": env})
+    assert said == ("; vllm: compiled (mode DYNAMO_TRACE_ONCE, backend inductor), start-up 151 s, not "
+                    "counted in tokens/s; vllm_eager: eager (enforce_eager=True), start-up 8 s")
+    # a run kept before the anchor: vLLM eager only, and no compilation record
+    old_run = {"results": rows[::2], "environment": {}}
+    assert format_vllm_modes(old_run) == "; vllm_eager: eager (enforce_eager=True)"
+    assert format_vllm_modes({"results": rows[:1], "environment": {}}) == ""
+
+
 def test_bf16_rows_say_when_their_matmuls_run_in_fp32():
     doc = {"results": [m("radarlab", 1, 20, dtype="bfloat16").row()], "ratios": [],
            "environment": {"cpu_native_bf16": False}}
@@ -116,9 +144,16 @@ def test_end_to_end_every_system(tmp_path, capsys):
                        "--repeats", "2", "--json", str(path)])
     assert code == 0
     doc = json.loads(path.read_text())
-    assert doc["benchmark"] == "throughput" and doc["environment"]["vllm_vllm_version"]
+    env = doc["environment"]
+    assert doc["benchmark"] == "throughput" and env["vllm_vllm_version"] == env["vllm_eager_vllm_version"]
     got = {(r["system"], r["batch_size"]) for r in doc["results"]}
-    assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm") for b in (1, 3)}
+    assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm", "vllm_eager")
+                   for b in (1, 3)}
+    # vllm is vLLM as users run it, compiled by torch.compile; vllm_eager is not compiled
+    assert env["vllm_compilation"]["enforce_eager"] is False and env["vllm_compilation"]["mode"] != "NONE"
+    eager = env["vllm_eager_compilation"]
+    assert eager["enforce_eager"] is True and eager["mode"] == "NONE"
+    assert env["vllm_init_s"] > env["vllm_eager_init_s"]  # the compilation happens at start-up, untimed
     for r in doc["results"]:
         assert set(r) == {"system", "batch_size", "dtype", "output_tokens", "seconds", "tokens_per_s",
                           "seconds_runs"}
@@ -128,6 +163,7 @@ def test_end_to_end_every_system(tmp_path, capsys):
     # the systems did the same work: fp32 greedy continuations agree
     for row in doc["ratios"]:
         assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
+        assert row["outputs_equal_vllm_eager"] == 1.0
         assert row["outputs_equal_radarlab_torch"] == 1.0  # the C++ operators change no token
     # each measurement placed on this machine's roofline, measured in the same run
     assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0
@@ -135,7 +171,10 @@ def test_end_to_end_every_system(tmp_path, capsys):
     assert {(r["system"], r["batch_size"]) for r in doc["limits"]} == got
     assert all(0 < r["bandwidth_fraction"] and 0 < r["flops_fraction"] for r in doc["limits"])
     table = capsys.readouterr().out
-    assert "radarlab / vllm" in table and "output tokens/s, float32" in table
+    assert "radarlab / vllm" in table and "radarlab / vllm_eager" in table
+    assert "output tokens/s, float32" in table
+    assert "vllm: compiled (mode " in format_run_header(path, doc)
+    assert "vllm_eager: eager (enforce_eager=True)" in format_run_header(path, doc)
     assert "of this machine's read bandwidth" in table
     assert format_table(doc).splitlines()[0] == "output tokens/s, float32"
 

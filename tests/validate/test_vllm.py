@@ -93,6 +93,7 @@ def test_worker_failure_is_a_clear_error(tmp_path):
     ({"prompts": [[1]], "batches": [[[1]]]}, "exactly one of prompts"),
     ({"prompts": [[1]], "colour": "blue"}, "unknown request fields"),
     ({"prompts": [[1] * 2000], "max_tokens": 64}, "max_model_len"),
+    ({"prompts": [[1]], "enforce_eager": "yes"}, "enforce_eager must be true or false"),
 ])
 def test_bad_request_fails_before_starting_vllm(request_, words):
     """Checked in this process, so it needs no vLLM environment and costs no start-up."""
