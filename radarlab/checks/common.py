@@ -47,11 +47,11 @@ def raised_not_written(err: BaseException) -> bool:
     return False
 
 
-def kernel_error(name: str, err: BaseException, described: str) -> bool:
-    """The verdict on a Triton kernel that raised: not written yet, or the learner's own error rather
-    than Triton's wrapper around it."""
+def kernel_error(name: str, err: BaseException, described: str, what: str = "kernel") -> bool:
+    """The verdict on Triton code that raised (what: a kernel, or a jit function a kernel calls): not
+    written yet, or the learner's own error rather than Triton's wrapper around it."""
     if raised_not_written(err):
-        return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
+        return verdict(name, f"the {what} is not written yet (it raises NotImplementedError)")
     while err.__cause__ is not None:
         err = err.__cause__
     return verdict(name, f"for {described} it raised {type(err).__name__}: {err}")

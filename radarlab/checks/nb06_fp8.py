@@ -436,7 +436,7 @@ def check_fp8_load(fp8_load) -> bool:
         try:
             got = triton_quant_paged_attention(*args, fp8_load=fp8_load)
         except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            return kernel_error(name, err, description)
+            return kernel_error(name, err, description, what="function")
         bad = ~torch.isclose(got, want, atol=1e-4, rtol=1e-4)
         if bad.any():
             token, head = (int(x) for x in bad.any(-1).nonzero()[0])

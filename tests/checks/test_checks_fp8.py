@@ -367,7 +367,7 @@ WRONG_KV_1 = "is wrong (wrong heads read KV heads [1]); "
 
 @needs_interpreter
 @pytest.mark.parametrize("mistake,message", [
-    (STUB, "the kernel is not written yet (it raises NotImplementedError)"),
+    (STUB, "the function is not written yet (it raises NotImplementedError)"),
     (NO_MASK, f"{FIRST_CASE}, one scale per tensor (k_scale 0.5, v_scale 0.25: static_h = 0), 2 query heads "
               "over 2 KV heads, head_dim 16: new token 0, query head 0 is wrong (wrong heads read KV heads "
               "[0, 1]); NaN came out: a row that is not ok"),
