@@ -365,26 +365,45 @@ def triton_kivi_quantize_groups(ks, vs, blocks, groups, k_cache, k_scales, k_zer
 # 2. Attention that dequantizes as it loads
 # --------------------------------------------------------------------------------------------------
 @triton.jit
+def _load_fp8(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok,
+              stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, static_h,
+              TOKEN_SCALE: tl.constexpr):
+    """fp32 [N, DIM] of N positions (block, row: [N]) of one KV head from FP8 codes: each byte looked up
+    in the 256-entry decode table, times the head's static scale (static_ptr[kv_head * static_h]) or,
+    TOKEN_SCALE, the token's own (scales_ptr, [N, B, H]); rows not ok are 0 and read nothing, so a
+    position past the context never touches a block the table does not name. The default of
+    triton_quant_paged_attention's fp8_load (notebook 06 has a learner write it)."""
+    mask = ok[:, None]
+    base = block * stride_pb + row * stride_ps + kv_head * stride_ph
+    code = tl.load(ptr + base[:, None] + d[None, :] * stride_pd, mask=mask, other=0).to(tl.int32)
+    x = tl.load(table_ptr + code)
+    if TOKEN_SCALE:
+        s = tl.load(scales_ptr + block * stride_mb + row * stride_ms + kv_head * stride_mh, mask=ok,
+                    other=1.0)
+        x = x * s.to(tl.float32)[:, None]
+    else:
+        x = x * tl.load(static_ptr + kv_head * static_h)
+    return tl.where(mask, x, 0.0)
+
+
+@triton.jit
 def _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head, d,
                   ok,
                   stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, stride_md,
                   static_h,
                   KIND: tl.constexpr, TOKEN_SCALE: tl.constexpr, QGROUP: tl.constexpr,
-                  SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr):
+                  SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr,
+                  FP8_LOAD: tl.constexpr):
     """fp32 [N, DIM] of N positions (block, row: [N]) of one KV head, decoded from the codes; rows not ok
-    are 0. KIND 1: fp8; 2: int4 groups along head_dim (a scale per token and group); 3: KIVI keys (a
-    scale per channel, shared by the QGROUP tokens of a key group)."""
-    base = block * stride_pb + row * stride_ps + kv_head * stride_ph
-    mask = ok[:, None]
+    are 0. KIND 1: fp8, through FP8_LOAD (a jit function with _load_fp8's signature); 2: int4 groups
+    along head_dim (a scale per token and group); 3: KIVI keys (a scale per channel, shared by the
+    QGROUP tokens of a key group)."""
     if KIND == 1:
-        mbase = block * stride_mb + row * stride_ms + kv_head * stride_mh
-        code = tl.load(ptr + base[:, None] + d[None, :] * stride_pd, mask=mask, other=0).to(tl.int32)
-        x = tl.load(table_ptr + code)
-        if TOKEN_SCALE:
-            x = x * tl.load(scales_ptr + mbase, mask=ok, other=1.0).to(tl.float32)[:, None]
-        else:
-            x = x * tl.load(static_ptr + kv_head * static_h)
+        x = FP8_LOAD(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok, stride_pb, stride_ps,
+                     stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, static_h, TOKEN_SCALE)
     else:
+        base = block * stride_pb + row * stride_ps + kv_head * stride_ph
+        mask = ok[:, None]
         byte = tl.load(ptr + base[:, None] + (d[None, :] // 2) * stride_pd, mask=mask, other=0).to(tl.int32)
         nib = ((byte >> ((d[None, :] % 2) * 4)) & 15).to(tl.float32)
         if KIND == 3:
@@ -403,7 +422,8 @@ def _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_
             x = (nib - tl.load(zeros_ptr + moff, mask=mask, other=0).to(tl.float32)) * s
         else:
             x = nib * s + _load_zero(tl.load(zeros_ptr + moff, mask=mask, other=0), meta_table_ptr, SCALE_FP8)
-    return tl.where(mask, x, 0.0)
+        x = tl.where(mask, x, 0.0)
+    return x
 
 
 @triton.jit
@@ -422,14 +442,16 @@ def _load_kv(ptr, scales_ptr, zeros_ptr, static_ptr, tail_ptr, fresh_ptr, sink_p
              stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, stride_md, static_h,
              DIM: tl.constexpr, KIND: tl.constexpr, TOKEN_SCALE: tl.constexpr, QGROUP: tl.constexpr,
              SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr,
-             NUM_GROUPS: tl.constexpr, KIVI: tl.constexpr, SETTLE: tl.constexpr, SINK: tl.constexpr):
+             NUM_GROUPS: tl.constexpr, KIVI: tl.constexpr, SETTLE: tl.constexpr, SINK: tl.constexpr,
+             FP8_LOAD: tl.constexpr):
     """K or V of N positions as stored, and (SETTLE) as they were before this step quantized them:
     (stored, fresh), each fp32 [N, DIM]. Codes first; KIVI's tails over the groups that have one;
     this step's 16-bit groups over those (fresh only); the sink over a first block's first rows."""
     x = _load_dequant(ptr, scales_ptr, zeros_ptr, static_ptr, table_ptr, meta_table_ptr, block, row, kv_head,
                       d,
                       ok, stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh,
-                      stride_md, static_h, KIND, TOKEN_SCALE, QGROUP, SYMMETRIC, SCALE_FP8, INT8_ZEROS)
+                      stride_md, static_h, KIND, TOKEN_SCALE, QGROUP, SYMMETRIC, SCALE_FP8, INT8_ZEROS,
+                      FP8_LOAD)
     fresh = x
     if KIVI:
         entry = block * NUM_GROUPS + row // QGROUP
@@ -461,10 +483,12 @@ def _quant_attention_kernel(
     K_KIND: tl.constexpr, V_KIND: tl.constexpr, TOKEN_SCALE: tl.constexpr, QGROUP: tl.constexpr,
     SYMMETRIC: tl.constexpr, SCALE_FP8: tl.constexpr, INT8_ZEROS: tl.constexpr,
     KIVI: tl.constexpr, SETTLE: tl.constexpr, RESIDUAL: tl.constexpr, SINK: tl.constexpr,
+    FP8_LOAD: tl.constexpr,
 ):
     """Causal attention of a tile of one sequence's new queries over its paged, quantized context.
 
-    triton_paged.py's prefill kernel with one change: K and V tiles come through _load_kv. One
+    triton_paged.py's prefill kernel with one change: K and V tiles come through _load_kv (FP8 codes
+    through FP8_LOAD, a jit function passed as a compile-time argument). One
     program per (sequence, KV head, tile of BLOCK_Q new tokens); rows are (token, head of the GQA
     group); online softmax; scores and p.v in fp32 (broadcast and sum, so decode's single row needs
     no 16-row tl.dot). Decode is the case query_len = 1.
@@ -500,7 +524,8 @@ def _quant_attention_kernel(
                               kv_head,
                               d, pos_ok, num_kv_heads, stride_pb, stride_ps, stride_ph, stride_pd, stride_kmb,
                               stride_kms, stride_kmh, stride_kmd, static_h, DIM, K_KIND, TOKEN_SCALE, QGROUP,
-                              SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK)
+                              SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK,
+                              FP8_LOAD)
         s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_M, TILE_N]
         if SETTLE:
             stored = pos[None, :] < settled[:, None]
@@ -517,7 +542,8 @@ def _quant_attention_kernel(
                               kv_head,
                               d, pos_ok, num_kv_heads, stride_pb, stride_ps, stride_ph, stride_pd, stride_vmb,
                               stride_vms, stride_vmh, stride_vmd, static_h, DIM, V_KIND, TOKEN_SCALE, QGROUP,
-                              SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK)
+                              SYMMETRIC, SCALE_FP8, INT8_ZEROS, BLOCK_SIZE // QGROUP, KIVI, SETTLE, SINK,
+                              FP8_LOAD)
         if SETTLE:
             pv = tl.sum(tl.where(stored, p, 0.0)[:, :, None] * v[None, :, :], axis=1) \
                 + tl.sum(tl.where(stored, 0.0, p)[:, :, None] * v_fresh[None, :, :], axis=1)
@@ -573,11 +599,14 @@ def _sides(k_pool, v_pool, device):
 
 
 def triton_quant_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, query_start_loc, scale, out=None,
-                                 block_q: int = 4, tile_n: int = 16, check: bool = True) -> torch.Tensor:
+                                 block_q: int = 4, tile_n: int = 16, check: bool = True,
+                                 fp8_load=None) -> torch.Tensor:
     """Packed queries q [T, H, D] over quantized pools, causal: prefill, chunked prefill and decode rows
     in one launch. The pools are PagedKVCache.layer_pools: QuantizedPool (fp8, int4), KiviPool (with
     fresh=True, each query reads what it read as the newest token), either one wrapped in a SinkPool.
-    The torch reference is paged_attention_torch over the same pools (with settling, for KIVI)."""
+    The torch reference is paged_attention_torch over the same pools (with settling, for KIVI).
+    fp8_load: a jit function with _load_fp8's signature that loads FP8 tiles in its place (notebook
+    06's exercise); None: _load_fp8."""
     _check_pools(k_pool, v_pool)
     validate_pool(k_pool, v_pool)
     num_blocks, block_size, num_kv_heads, head_dim = k_pool.shape
@@ -612,6 +641,6 @@ def triton_quant_paged_attention(q, k_pool, v_pool, block_tables, seq_lens, quer
         K_KIND=ks["kind"], V_KIND=vs["kind"], TOKEN_SCALE=fmt.scale_rule == "token_head",
         QGROUP=fmt.group_size or 1, SYMMETRIC=fmt.symmetric, SCALE_FP8=fmt.scale_dtype == "fp8",
         INT8_ZEROS=fmt.int8_zeros, KIVI=shared["kivi"], SETTLE=shared["settle"], RESIDUAL=shared["residual"],
-        SINK=shared["sink"],
+        SINK=shared["sink"], FP8_LOAD=_load_fp8 if fp8_load is None else fp8_load,
     )
     return out

@@ -26,7 +26,14 @@ from radarlab.checks.nb05_batching import (
     check_schedule_token_budget,
     check_scheduler,
 )
-from radarlab.checks.nb06_fp8 import check_decode_e4m3, check_encode_e4m3, check_per_token_head_scale
+from radarlab.checks.nb06_fp8 import (
+    check_decode_e4m3,
+    check_decode_tile,
+    check_dequant_tile,
+    check_encode_e4m3,
+    check_fp8_load,
+    check_per_token_head_scale,
+)
 from radarlab.checks.nb07_int4 import (
     check_int4_bytes_per_token,
     check_kivi_keys,
@@ -73,6 +80,9 @@ __all__ = [
     "check_decode_e4m3",
     "check_encode_e4m3",
     "check_per_token_head_scale",
+    "check_decode_tile",
+    "check_dequant_tile",
+    "check_fp8_load",
     "check_pack_nibbles",
     "reference_quantize_group",
     "check_quantize_group",

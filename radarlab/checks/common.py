@@ -1,5 +1,6 @@
 """What every notebook's checkers share: the one-line verdict, running a learner's code so that a bug
-reads as a counterexample, the fallback to radarlab's reference, and the tensor comparison."""
+reads as a counterexample, a Triton stub recognised as not written yet, the fallback to radarlab's
+reference, and the tensor comparison."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -19,8 +20,8 @@ def learner_or_reference(name: str, learner, passed: bool, reference):
     radarlab's reference, said in one line, so a skipped exercise never breaks the rest."""
     if passed:
         return learner
-    print(f"the cells below use radarlab's {reference.__module__}.{reference.__qualname__} in place of your "
-          f"{name}")
+    fn = getattr(reference, "fn", reference)  # a Triton jit function: the Python function it wraps
+    print(f"the cells below use radarlab's {fn.__module__}.{fn.__qualname__} in place of your {name}")
     return reference
 
 
@@ -33,6 +34,27 @@ def call_learner(thunk: Callable[[], object], description: str) -> tuple[object,
         return None, "the function is not written yet (it raises NotImplementedError)"
     except Exception as err:
         return None, f"for {description} it raised {type(err).__name__}: {err}"
+
+
+def raised_not_written(err: BaseException) -> bool:
+    """Whether an error comes from the stub's bare `raise NotImplementedError()`, also when Triton wraps
+    it: the interpreter raises InterpreterError from it, and the compiler rejects the raise statement
+    quoting its source. Triton's own NotImplementedErrors carry a message, so they do not count."""
+    while err is not None:
+        if isinstance(err, NotImplementedError) and not str(err) or "raise NotImplementedError()" in str(err):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def kernel_error(name: str, err: BaseException, described: str, what: str = "kernel") -> bool:
+    """The verdict on Triton code that raised (what: a kernel, or a jit function a kernel calls): not
+    written yet, or the learner's own error rather than Triton's wrapper around it."""
+    if raised_not_written(err):
+        return verdict(name, f"the {what} is not written yet (it raises NotImplementedError)")
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return verdict(name, f"for {described} it raised {type(err).__name__}: {err}")
 
 
 def first_tensor_difference(got, want, atol: float, rtol: float) -> str | None:

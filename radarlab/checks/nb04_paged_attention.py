@@ -2,7 +2,7 @@
 online-softmax update."""
 from __future__ import annotations
 
-from radarlab.checks.common import verdict
+from radarlab.checks.common import kernel_error, raised_not_written, verdict
 
 
 def check_reshape_and_cache(reshape_and_cache) -> bool:
@@ -63,17 +63,6 @@ def check_reshape_and_cache(reshape_and_cache) -> bool:
     return verdict(name, None)
 
 
-def _raised_not_written(err: BaseException) -> bool:
-    """Whether an error comes from the stub's bare `raise NotImplementedError()`, also when Triton wraps
-    it: the interpreter raises InterpreterError from it, and the compiler rejects the raise statement
-    quoting its source. Triton's own NotImplementedErrors carry a message, so they do not count."""
-    while err is not None:
-        if isinstance(err, NotImplementedError) and not str(err) or "raise NotImplementedError()" in str(err):
-            return True
-        err = err.__cause__ or err.__context__
-    return False
-
-
 def check_store_kv_kernel(store_kv) -> bool:
     """Check a learner's store-KV Triton kernel through its launcher store_kv(k, v, k_cache, v_cache,
     slot_mapping), against radarlab.kvcache.paged_cache.reshape_and_cache, bit for bit.
@@ -120,7 +109,7 @@ def check_store_kv_kernel(store_kv) -> bool:
         try:
             store_kv(k.to(device), v.to(device), got["k_cache"], got["v_cache"], slot_mapping.to(device))
         except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            if _raised_not_written(err):
+            if raised_not_written(err):
                 return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
             while err.__cause__ is not None:  # the learner's error, not Triton's wrapper around it
                 err = err.__cause__
@@ -343,11 +332,7 @@ def check_paged_decode_kernel(kernel) -> bool:
             got = triton_paged_decode(b.q, b.k_cache, b.v_cache, tables, b.seq_lens, b.scale,
                                       tile_n=tile_n, kernel=kernel).cpu()
         except Exception as err:  # a learner's bug should read as a counterexample, not a traceback
-            if _raised_not_written(err):
-                return verdict(name, "the kernel is not written yet (it raises NotImplementedError)")
-            while err.__cause__ is not None:
-                err = err.__cause__
-            return verdict(name, f"for {description} it raised {type(err).__name__}: {err}")
+            return kernel_error(name, err, description)
         bad = ~torch.isclose(got, want, atol=1e-5, rtol=1e-4)
         if bad.any():
             seq, head = (int(x) for x in bad.any(-1).nonzero()[0])

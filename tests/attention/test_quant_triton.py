@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from radarlab.attention.backends import attention_forward, write_kv
 from radarlab.attention.kv_write import reshape_and_cache
 from radarlab.attention.metadata import AttentionMetadata
 from radarlab.attention.torch_paged import paged_attention_torch
-from radarlab.attention.triton_quant import triton_quant_paged_attention, triton_quant_reshape_and_cache
+from radarlab.attention.triton_quant import (
+    _load_fp8,
+    triton_quant_paged_attention,
+    triton_quant_reshape_and_cache,
+)
 from radarlab.device import default_device
 from radarlab.kvcache.paged_cache import PagedKVCache
 
@@ -154,3 +160,36 @@ def test_triton_kivi_prefill_reads_each_group_as_its_query_did():
     assert torch.allclose(unsettled, want, atol=2e-5)
     assert float((settled - unsettled)[:12].abs().max()) > 1e-3  # queries before the last group's end
     assert torch.allclose(settled[12], unsettled[12], atol=2e-5)  # the last query is the newest token
+
+
+@triton.jit
+def _doubled_load(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok,
+                  stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, static_h,
+                  TOKEN_SCALE: tl.constexpr):
+    return 2.0 * _load_fp8(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok, stride_pb,
+                           stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, static_h,
+                           TOKEN_SCALE)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp8_per_token_head"])
+def test_fp8_load_replaces_the_kernels_own(name):
+    """The seam notebook 06 plugs the learner's load into, through the backend (and so the engine): a load
+    that doubles every value reads K and V as a pool whose scales are doubled would be read."""
+    from radarlab.attention.backends import QuantizedTritonBackend
+    from radarlab.quant.kv_codec import QuantizedPool
+
+    kw = {"k_scale": 0.5, "v_scale": 0.25} if name == "fp8" else {}
+    cache = PagedKVCache(1, 8, H, D, block_size=BLOCK, kv_cache_dtype=name, backend="triton", device=DEV,
+                         **kw)
+    backend = QuantizedTritonBackend(fp8_load=_doubled_load)
+    meta = backend.build(step_metadata([6], [6], [[3, 1]], BLOCK).to(DEV), cache)
+    q, k, v = _x(6, 4, D, seed=17), _x(6, H, D, seed=18), _x(6, H, D, seed=19)
+    got = attention_forward(cache, 0, q, k, v, meta, 0.25)
+    doubled = [QuantizedPool(p.fmt, p.payload, None if p.scales is None else 2 * p.scales, None,
+                             1.0 if p.scale is None else 2 * p.scale, p.head_dim)
+               for p in cache.layer_pools(0)]
+    args = (meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.25)
+    want = paged_attention_torch(q, *doubled, *args)
+    assert torch.allclose(got, want, atol=2e-5), float((got - want).abs().max())
+    assert torch.equal(triton_quant_paged_attention(q, *cache.layer_pools(0), *args, fp8_load=_load_fp8),
+                       triton_quant_paged_attention(q, *cache.layer_pools(0), *args))

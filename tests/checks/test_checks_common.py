@@ -21,7 +21,9 @@ class KernelStub:
         return stub
 
 
-STUBS = {"check_paged_decode_kernel": KernelStub()}  # checkers that take a kernel, not a function
+# checkers that take a kernel, not a function (check_fp8_load takes a jit function the kernel calls)
+STUBS = {name: KernelStub() for name in ("check_paged_decode_kernel", "check_decode_tile",
+                                         "check_dequant_tile")}
 
 
 def test_every_notebook_has_checkers():
@@ -33,3 +35,13 @@ def test_a_stub_reads_as_not_written_yet(verdict, name):
     out = verdict(getattr(checks, name), STUBS.get(name, stub),
                   "is not written yet (it raises NotImplementedError)", EXERCISE.get(name))
     assert "Traceback" not in out
+
+
+def test_the_fallback_names_a_triton_reference(capsys):
+    """A Triton kernel or jit function is named by the Python function it wraps, module and all."""
+    from radarlab.attention import triton_quant
+
+    reference = triton_quant._load_fp8
+    assert checks.learner_or_reference("fp8_load", stub, False, reference) is reference
+    assert capsys.readouterr().out == ("the cells below use radarlab's radarlab.attention.triton_quant."
+                                       "_load_fp8 in place of your fp8_load\n")

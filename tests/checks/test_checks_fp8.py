@@ -1,14 +1,26 @@
 """The checkers of notebook 06: each accepts a reference solution (written here from the formats'
 definitions, not by calling the code it is checked against), rejects a stub that raises
-NotImplementedError, and rejects plausible wrong answers with a plain counterexample."""
+NotImplementedError, and rejects plausible wrong answers with a plain counterexample. The Triton
+ones (section 4) run under the interpreter here, small shapes."""
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from radarlab.checks import check_decode_e4m3, check_encode_e4m3, check_per_token_head_scale
+from radarlab.checks import (
+    check_decode_e4m3,
+    check_decode_tile,
+    check_dequant_tile,
+    check_encode_e4m3,
+    check_fp8_load,
+    check_per_token_head_scale,
+)
 
 # --- decode_e4m3 ---------------------------------------------------------------------------------
 
@@ -185,3 +197,194 @@ def test_scale_reference_passes(verdict):
 ])
 def test_scale_mistakes_fail(verdict, fn, message):
     verdict(check_per_token_head_scale, fn, message)
+
+
+# --- section 4: the Triton puzzles and the FP8 load -------------------------------------------------
+# Test kernels are module-level functions: Triton reads a kernel's source to run it. Each solution and
+# its plausible mistakes are one function: MISTAKE, a compile-time constant, picks the mistake (0: none).
+STUB = tl.constexpr(1)
+CODE_AS_NUMBER = tl.constexpr(2)  # code.to(tl.float32): the byte's integer value, no table
+CODE_AS_INT8 = tl.constexpr(3)  # the byte taken as signed: codes 0x80 and up index before the table
+PACKED_ROWS = tl.constexpr(4)  # row n read at n * DIM, not n * stride_n
+
+
+@triton.jit
+def decode_tile_kernel(codes_ptr, table_ptr, out_ptr, stride_n, N: tl.constexpr, DIM: tl.constexpr,
+                       MISTAKE: tl.constexpr = 0):
+    n = tl.arange(0, N)[:, None]
+    d = tl.arange(0, DIM)[None, :]
+    if MISTAKE == STUB:
+        raise NotImplementedError()
+    row = stride_n
+    if MISTAKE == PACKED_ROWS:
+        row = DIM
+    code = tl.load(codes_ptr + n * row + d)
+    if MISTAKE == CODE_AS_NUMBER:
+        x = code.to(tl.float32)
+    elif MISTAKE == CODE_AS_INT8:
+        x = tl.load(table_ptr + code.to(tl.int8))
+    else:
+        x = tl.load(table_ptr + code)
+    tl.store(out_ptr + n * DIM + d, x)
+
+
+class WithMistake:
+    """A test kernel as the checker launches it (kernel[grid](...)), with MISTAKE set."""
+
+    def __init__(self, kernel, mistake):
+        self.kernel, self.mistake = kernel, mistake
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.kernel[grid](*args, **kwargs, MISTAKE=self.mistake)
+
+
+def test_decode_tile_solution_passes(verdict):
+    verdict(check_decode_tile, decode_tile_kernel)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (STUB, "the kernel is not written yet (it raises NotImplementedError)"),
+    (CODE_AS_NUMBER, "out[0, 1] (code 0x01) is 1.0, expected 0.001953125: a code is an index into the decode "
+                     "table, not a number"),
+    (CODE_AS_INT8, "out[8, 0] (code 0x80) is -12345.0, expected -0.0: codes 0x80 and up were read from "
+                   "before the table"),
+    (PACKED_ROWS, "cut from a buffer 32 bytes wide (stride_n = 32), out[1, 0] (code 0x"),
+])
+def test_decode_tile_mistakes(verdict, mistake, message):
+    out = verdict(check_decode_tile, WithMistake(decode_tile_kernel, mistake), message)
+    if mistake == PACKED_ROWS:
+        assert "row n of the tile starts at codes_ptr + n * stride_n, not n * DIM" in out
+
+
+DIVIDED = tl.constexpr(2)  # x / scale
+NO_SCALE = tl.constexpr(3)
+ONE_SCALE = tl.constexpr(4)  # TOKEN_SCALE ignored: every row takes scale_ptr[0]
+COLUMN_SCALE = tl.constexpr(5)  # a scale from the wrong axis: scale_ptr + d
+
+
+@triton.jit
+def dequant_tile_kernel(codes_ptr, table_ptr, scale_ptr, out_ptr, N: tl.constexpr, DIM: tl.constexpr,
+                        TOKEN_SCALE: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    n = tl.arange(0, N)[:, None]
+    d = tl.arange(0, DIM)[None, :]
+    if MISTAKE == STUB:
+        raise NotImplementedError()
+    x = tl.load(table_ptr + tl.load(codes_ptr + n * DIM + d))
+    if TOKEN_SCALE and MISTAKE != ONE_SCALE:
+        s = tl.load(scale_ptr + (d if MISTAKE == COLUMN_SCALE else n)).to(tl.float32)
+    else:
+        s = tl.load(scale_ptr)
+    if MISTAKE == DIVIDED:
+        x = x / s
+    elif MISTAKE != NO_SCALE:
+        x = x * s
+    tl.store(out_ptr + n * DIM + d, x)
+
+
+def test_dequant_tile_solution_passes(verdict):
+    verdict(check_dequant_tile, dequant_tile_kernel)
+
+
+@pytest.mark.parametrize("mistake,message", [
+    (STUB, "the kernel is not written yet (it raises NotImplementedError)"),
+    (DIVIDED, "a static scale of 0.25 (one number for the tile), a 4 x 8 tile, out[0, 0] is"),
+    (NO_SCALE, "the scale is missing: multiply the decoded tile by it"),
+    (ONE_SCALE, "TOKEN_SCALE: row n has its own fp16 scale"),
+    (COLUMN_SCALE, "the scales were spread along the columns (scale_ptr + d)"),
+])
+def test_dequant_tile_mistakes(verdict, mistake, message):
+    out = verdict(check_dequant_tile, WithMistake(dequant_tile_kernel, mistake), message)
+    if mistake == DIVIDED:
+        assert "it divided by the scale: the cache stores x / scale" in out
+    if mistake == ONE_SCALE:
+        assert "every row took scale 0: with TOKEN_SCALE, row n's scale is tl.load(scale_ptr + n)" in out
+
+
+NO_MASK = tl.constexpr(4)  # rows that are not ok are loaded without a mask and kept
+STATIC_ONLY = tl.constexpr(5)  # TOKEN_SCALE ignored: the static scale (1 here) for every token
+HEAD0_STATIC = tl.constexpr(6)  # static_ptr[0] for every KV head
+HEAD0_TOKEN_SCALE = tl.constexpr(7)  # the token scale's address without kv_head * stride_mh
+STATIC_H_IGNORED = tl.constexpr(8)  # static_ptr + kv_head: past a per-tensor scale
+HEAD0_CODES = tl.constexpr(9)  # the codes' address without kv_head * stride_ph
+LOAD_DIVIDED = tl.constexpr(10)
+LOAD_NO_SCALE = tl.constexpr(11)
+
+
+@triton.jit
+def fp8_load(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok,
+             stride_pb, stride_ps, stride_ph, stride_pd, stride_mb, stride_ms, stride_mh, static_h,
+             TOKEN_SCALE: tl.constexpr, MISTAKE: tl.constexpr = 0):
+    if MISTAKE == STUB:
+        raise NotImplementedError()
+    mask = ok[:, None]
+    head = kv_head * stride_ph
+    if MISTAKE == HEAD0_CODES:
+        head = 0
+    offsets = (block * stride_pb + row * stride_ps + head)[:, None] + d[None, :] * stride_pd
+    if MISTAKE == NO_MASK:
+        code = tl.load(ptr + offsets)
+    else:
+        code = tl.load(ptr + offsets, mask=mask, other=0)
+    if MISTAKE == CODE_AS_NUMBER:
+        x = code.to(tl.float32)
+    elif MISTAKE == CODE_AS_INT8:
+        x = code.to(tl.int8).to(tl.float32)
+    else:
+        x = tl.load(table_ptr + code)
+    if TOKEN_SCALE and MISTAKE != STATIC_ONLY:
+        head = kv_head * stride_mh
+        if MISTAKE == HEAD0_TOKEN_SCALE:
+            head = 0
+        s = tl.load(scales_ptr + block * stride_mb + row * stride_ms + head, mask=ok, other=1.0)
+        s = s.to(tl.float32)[:, None]
+    elif MISTAKE == HEAD0_STATIC:
+        s = tl.load(static_ptr)
+    elif MISTAKE == STATIC_H_IGNORED:
+        s = tl.load(static_ptr + kv_head)
+    else:
+        s = tl.load(static_ptr + kv_head * static_h)
+    if MISTAKE == LOAD_DIVIDED:
+        x = x / s
+    elif MISTAKE != LOAD_NO_SCALE:
+        x = x * s
+    if MISTAKE == NO_MASK:
+        return x
+    return tl.where(mask, x, 0.0)
+
+
+def test_fp8_load_solution_passes(verdict):
+    verdict(check_fp8_load, fp8_load)
+
+
+needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
+    "the mistakes are bound with functools.partial, which only the interpreter calls as a jit function"))
+
+FIRST_CASE = "for one sequence decoding at context 6 (blocks of 4, the second one partly filled)"
+
+
+WRONG_KV_1 = "is wrong (wrong heads read KV heads [1]); "
+
+
+@needs_interpreter
+@pytest.mark.parametrize("mistake,message", [
+    (STUB, "the function is not written yet (it raises NotImplementedError)"),
+    (NO_MASK, f"{FIRST_CASE}, one scale per tensor (k_scale 0.5, v_scale 0.25: static_h = 0), 2 query heads "
+              "over 2 KV heads, head_dim 16: new token 0, query head 0 is wrong (wrong heads read KV heads "
+              "[0, 1]); NaN came out: a row that is not ok"),
+    (CODE_AS_NUMBER, "a code is an index into the decode table, not a number"),
+    (CODE_AS_INT8, "the codes were read as int8 numbers"),
+    (LOAD_DIVIDED, "it divided by the scale: the cache stores x / scale, so the load multiplies"),
+    (LOAD_NO_SCALE, "the scale is missing: multiply by the head's scale, static_ptr[kv_head * static_h]"),
+    (STATIC_ONLY, "fp8_per_token_head: every token and KV head its own scale, contexts 7 and 12 with 1 and 4 "
+                  "new tokens, 2 KV heads: new token 0, query head 0 is wrong (wrong heads read KV heads "
+                  "[0, 1]); TOKEN_SCALE is on, and the token's own scale was not applied"),
+    (HEAD0_STATIC, "for per-head scales (k_scale [0.25, 2], v_scale [0.5, 0.125]), GQA 4 query heads over 2 "
+                   "KV heads, contexts 9 and 5 with 3 and 1 new tokens, scrambled block tables: new token 0, "
+                   f"query head 2 {WRONG_KV_1}every KV head took head 0's scale"),
+    (HEAD0_TOKEN_SCALE, f"{WRONG_KV_1}every KV head took KV head 0's token scale: add kv_head * stride_mh"),
+    (STATIC_H_IGNORED, f"query head 1 {WRONG_KV_1}this scale is one number for all heads (static_h = 0): "
+                       "read static_ptr + kv_head * static_h"),
+    (HEAD0_CODES, f"query head 1 {WRONG_KV_1}every KV head read KV head 0's codes: add kv_head * stride_ph"),
+])
+def test_fp8_load_mistakes(verdict, mistake, message):
+    verdict(check_fp8_load, functools.partial(fp8_load, MISTAKE=mistake), message)

@@ -55,6 +55,12 @@ class QuantizedTorchBackend(QuantizedBackend):
 
 
 class QuantizedTritonBackend(QuantizedBackend):
+    """fp8_load: a jit function with triton_quant._load_fp8's signature, which loads every FP8 tile of K
+    and V in its place (notebook 06 runs the engine on the learner's this way); None: radarlab's."""
+
+    def __init__(self, fp8_load=None) -> None:
+        self.fp8_load = fp8_load
+
     def quantize_groups(self):
         from radarlab.attention.triton_quant import triton_kivi_quantize_groups  # imports triton
 
@@ -73,4 +79,4 @@ class QuantizedTritonBackend(QuantizedBackend):
         # KIVI's pools carry this step's 16-bit groups: the settled-prefix rule
         k_pool, v_pool = kv_cache.layer_pools(layer, fresh=kv_cache.kivi is not None)
         return triton_quant_paged_attention(q, k_pool, v_pool, meta.block_tables, meta.seq_lens,
-                                            meta.query_start_loc, scale, check=False)
+                                            meta.query_start_loc, scale, check=False, fp8_load=self.fp8_load)
