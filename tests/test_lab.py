@@ -10,118 +10,25 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
-import signal
 import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from lab_server import Lab, free_port, start_lab, wait_until_serving
+
 ROOT = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 240  # make checks setup and the model first; a cold JupyterLab start takes ~10-30 s
-STOP_TIMEOUT_S = 30
-REQUEST_TIMEOUT_S = 20
 
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Lab:
-    def __init__(self, proc: subprocess.Popen, port: int, token: str, log: Path) -> None:
-        self.proc, self.port, self.token, self.log = proc, port, token, log
-
-    def url(self, path: str, token: bool = True) -> str:
-        sep = "&" if "?" in path else "?"
-        return f"http://127.0.0.1:{self.port}{path}" + (f"{sep}token={self.token}" if token else "")
-
-    def get(self, path: str, token: bool = True) -> tuple[int, str]:
-        """(status, body) of a GET; HTTP errors are returned, not raised."""
-        try:
-            with urllib.request.urlopen(self.url(path, token), timeout=REQUEST_TIMEOUT_S) as r:
-                return r.status, r.read().decode("utf-8", "replace")
-        except urllib.error.HTTPError as err:
-            return err.code, err.read().decode("utf-8", "replace")
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:] if self.log.exists() else ""
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.proc.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # a process we cannot signal still exists
-            return True
-        return True
-
-    def stop(self) -> None:
-        """SIGTERM the whole group (JupyterLab shuts down on it), then SIGKILL what is left."""
-        for sig, wait_s in ((signal.SIGTERM, STOP_TIMEOUT_S), (signal.SIGKILL, 10)):
-            if not self.group_alive():
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait_s
-            while time.monotonic() < deadline and self.group_alive():
-                self.proc.poll()  # reap make so its group can empty
-                time.sleep(0.2)
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def _wait_until_serving(lab: Lab) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if lab.proc.poll() is not None:
-            pytest.fail(f"`make lab` exited with {lab.proc.returncode} before serving:\n{lab.log_tail()}")
-        try:
-            with socket.create_connection(("127.0.0.1", lab.port), timeout=2):
-                pass
-            status, _ = lab.get("/api/status")
-            if status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"JupyterLab did not answer on port {lab.port} within {START_TIMEOUT_S} s:\n{lab.log_tail()}")
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("lab")
-    token = secrets.token_hex(24)
-    env = dict(
-        os.environ,
-        JUPYTER_TOKEN=token,
-        # Keep the server's runtime files and workspaces out of the user's home directory.
-        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
-    )
-    env.pop("JUPYTER_TOKEN_FILE", None)
-    log = tmp / "lab.log"
-    port = _free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            ["make", "-s", "lab", f"LAB_PORT={port}"],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group, so we can stop make and jupyter together
-        )
-    server = Lab(proc, port, token, log)
+    port = free_port()
+    server = start_lab(["make", "-s", "lab", f"LAB_PORT={port}"], ROOT, port, tmp_path_factory.mktemp("lab"))
     try:
-        _wait_until_serving(server)
+        wait_until_serving(server, START_TIMEOUT_S)
         yield server
     finally:
         server.stop()
