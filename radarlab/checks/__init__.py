@@ -51,7 +51,9 @@ from radarlab.checks.nb08_speculative import (
 )
 from radarlab.checks.nb09_draft_models import (
     check_acceptance_counts,
+    check_draft_forward,
     check_first_costly_batch,
+    check_ttt_loss,
     reference_acceptance_counts,
     reference_first_costly_batch,
 )
@@ -95,6 +97,8 @@ __all__ = [
     "check_ngram_draft",
     "check_rejection_sample",
     "reference_acceptance_counts",
+    "check_draft_forward",
+    "check_ttt_loss",
     "check_acceptance_counts",
     "reference_first_costly_batch",
     "check_first_costly_batch",

@@ -1,7 +1,296 @@
-"""Checkers of notebook 09 (draft models): acceptance counts from a verify log, the first costly batch."""
+"""Checkers of notebook 09 (draft models): the draft head's forward and its two-step training-time-test
+loss (the main exercise), acceptance counts from a verify log, the first costly batch."""
 from __future__ import annotations
 
-from radarlab.checks.common import call_learner, verdict
+from radarlab.checks.common import call_learner, first_tensor_difference, verdict
+
+# draft_forward and ttt_loss are checked against radarlab's own: draft_head.draft_forward and
+# train_draft.ttt_loss (unrolled_loss over two passes).
+
+
+# --- the draft head: its forward, and the loss it trains on -----------------------------------------
+
+def _tiny_head(draft_forward=None, seed: int = 9):
+    """A random one-layer head of a small GQA config (32 wide, 4 query heads on 2 K/V heads), the same
+    weights for every seed-sharing call; the global random state is left as it was."""
+    import torch
+
+    from radarlab.models.llama import LlamaConfig
+    from radarlab.spec_decode.draft_head import DraftHead, draft_forward as reference
+
+    draft_forward = draft_forward or reference
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=8)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = DraftHead(cfg, draft_forward)
+        with torch.no_grad():
+            head.layer.post_attention_layernorm.weight.uniform_(0.5, 1.5)
+    return head
+
+
+def _forward_cases():
+    """(description, steps): each step is (token_embeds, features, positions, metadata) of one call; a
+    case's steps share one cache (None: no cache, causal attention within each packed sequence)."""
+    import torch
+
+    from radarlab.attention.metadata import AttentionMetadata
+    from radarlab.train.draft_data import causal_batch
+
+    gen = torch.Generator().manual_seed(9)
+
+    def rand(t):
+        return torch.randn(t, 32, generator=gen)
+
+    rows = torch.tensor([0, 1])
+    return [
+        ("two sequences of 5 tokens packed, no cache", None,
+         [(rand(10), rand(10), torch.arange(5).repeat(2), causal_batch(2, 5))]),
+        ("two sequences prefilled with 6 tokens into a cache, then 2 more tokens each (positions 6 and 7)",
+         "contiguous",
+         [(rand(12), rand(12), torch.arange(6).repeat(2),
+           AttentionMetadata.from_lens([6, 6], [6, 6], cache_rows=rows)),
+          (rand(4), rand(4), torch.tensor([6, 7, 6, 7]),
+           AttentionMetadata.from_lens([2, 2], [8, 8], cache_rows=rows))]),
+    ]
+
+
+def _run_forward(fn, head, cache_kind, steps):
+    """fn's outputs over a case's steps, on a fresh cache of the case's kind."""
+    import torch
+
+    from radarlab.kvcache.contiguous import ContiguousKVCache
+
+    cache = ContiguousKVCache.for_model(head.config, 2, 16) if cache_kind else None
+    with torch.no_grad():
+        return [fn(head, e, f, pos, cache, meta) for e, f, pos, meta in steps]
+
+
+def _forward_mistakes():
+    """(what it does, a forward with that mistake): plausible wrong answers, named when they match."""
+    import torch
+
+    def layer(head, x, positions, cache, meta):
+        cos, sin = head.rope(positions, x.dtype)
+        return head.layer(x, cos, sin, cache, meta)
+
+    def fused(head, e, f):
+        return head.fc(torch.cat((e, f), dim=-1))
+
+    def unit_rms(x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    return [
+        ("fc's input was [feature, token embedding]; it is [token embedding, feature], in that order "
+         "(the order the head was trained with, and vLLM's EAGLE concatenates)",
+         lambda h, e, f, pos, c, m: layer(h, h.fc(torch.cat((f, e), dim=-1)), pos, c, m)),
+        ("RoPE rotated each token by its index in the packed batch; rotate it by `positions`, its "
+         "place in its own sequence (the new tokens of a cached sequence sit after its context)",
+         lambda h, e, f, pos, c, m: layer(h, fused(h, e, f), torch.arange(len(pos)), c, m)),
+        ("fc's output was added to the layer's output; head.layer already adds its residual (it returns "
+         "x + attention + MLP), so that counts x twice",
+         lambda h, e, f, pos, c, m: fused(h, e, f) + layer(h, fused(h, e, f), pos, c, m)),
+        ("fc's output went through an RMS norm before the layer; EAGLE's head leaves the fused input "
+         "unnormed (the layer's input_layernorm is NoNorm)",
+         lambda h, e, f, pos, c, m: layer(h, unit_rms(fused(h, e, f)), pos, c, m)),
+        ("fc's output went through the post-attention norm before the layer; EAGLE's head leaves the "
+         "fused input unnormed (the layer's input_layernorm is NoNorm)",
+         lambda h, e, f, pos, c, m: layer(h, h.layer.post_attention_layernorm(fused(h, e, f)), pos, c, m)),
+    ]
+
+
+def _close(got, want) -> bool:
+    return all(first_tensor_difference(g, w, atol=1e-5, rtol=1e-4) is None for g, w in zip(got, want))
+
+
+def check_draft_forward(draft_forward) -> bool:
+    """Check a learner's draft_forward(head, token_embeds, features, positions, kv_cache, meta): fc over
+    [embedding, feature], RoPE at `positions`, the head's decoder layer; on packed sequences without a
+    cache and on a cached continuation, as the engine calls it."""
+    from radarlab.spec_decode.draft_head import draft_forward as reference
+
+    name = "draft_forward"
+    head = _tiny_head()
+    for description, cache_kind, steps in _forward_cases():
+        want = _run_forward(reference, head, cache_kind, steps)
+        got, problem = call_learner(lambda: _run_forward(draft_forward, head, cache_kind, steps), description)
+        if problem:
+            return verdict(name, problem)
+        for step, (g, w) in enumerate(zip(got, want)):
+            diff = first_tensor_difference(g, w, atol=1e-5, rtol=1e-4)
+            if diff is None:
+                continue
+            where = f"for {description}" + (f", call {step + 1}" if len(steps) > 1 else "")
+            hint = next((what for what, wrong in _forward_mistakes()
+                         if _close(got, _run_forward(wrong, head, cache_kind, steps))), None)
+            return verdict(name, f"{where}: {hint}" if hint else f"{where}, it returned {diff}")
+    return verdict(name, None)
+
+
+def _ttt_batch(rows: int, length: int, seed: int):
+    """(batch of cached rows as draft_data stores them, embedding, LM head rows of the draft vocabulary,
+    vocab_index): random, with a third of the greedy tokens outside the draft vocabulary."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = torch.randperm(96, generator=gen)[:64].sort().values
+    vocab_index = torch.full((96,), -100, dtype=torch.long)
+    vocab_index[vocab] = torch.arange(64)
+    embed = torch.nn.Embedding(96, 32)
+    with torch.no_grad():
+        embed.weight.copy_(torch.randn(96, 32, generator=gen))
+    batch = {"tokens": torch.randint(96, (rows, length + 1), generator=gen).int(),
+             "features": torch.randn(rows, length + 1, 32, generator=gen).half(),
+             "greedy": torch.randint(96, (rows, length + 1), generator=gen).int()}
+    return batch, embed, torch.randn(64, 32, generator=gen) / 4, vocab_index
+
+
+def _mask_problem(meta, length: int) -> str | None:
+    """What is wrong with the attention mask the learner built, or None."""
+    import torch
+
+    from radarlab.train.train_draft import UnrolledAttention, unroll_mask
+
+    if not isinstance(getattr(meta, "backend", None), UnrolledAttention):
+        return "the head ran with metadata that training_attention(b, length, mask) did not make"
+    mask, want = meta.backend.mask, unroll_mask(length, 2)
+    if tuple(mask.shape) != tuple(want.shape):
+        return f"the mask is {tuple(mask.shape)}; two passes over {length} positions take {tuple(want.shape)}"
+    if not torch.equal(mask[0, :, :length], want[0, :, :length]):
+        return "pass 1's mask (mask[0], first L columns) should be causal: position i sees pass-1 keys 0..i"
+    if torch.equal(mask[1], want[1]):
+        return None
+    i = torch.arange(length)[:, None]
+    j = torch.arange(length)[None, :]
+    named = [  # (pass-1 keys, pass-2 keys) that pass 2's queries see, and what is wrong with it
+        (j <= i, j <= i, "pass 2 attends to every earlier key of both passes; a real draft's second step "
+                         "at i sees the verified prefix (pass-1 keys 0..i-1) and its own key at i, no more"),
+        (j <= i, j == i, "pass 2 at i sees pass 1's key at i, computed from the true feature f_i: a draft "
+                         "whose first guess at i is not yet verified does not have it (pass-1 keys 0..i-1)"),
+        (j <= i - 1, j <= i, "pass 2 at i sees the pass-2 keys of earlier positions: those belong to "
+                             "other drafts' second steps; its own chain left it only its key at i"),
+    ]
+    for first, second, what in named:
+        if torch.equal(mask[1], torch.cat((first, second), dim=1)):
+            return what
+    row = min(3, length - 1)
+    seen = mask[1, row].nonzero().flatten().tolist()
+    return (f"pass 2's query at position {row} may see pass-1 keys {[k for k in seen if k < length]} and "
+            f"pass-2 keys {[k - length for k in seen if k >= length]}; a real draft's second step sees "
+            f"pass-1 keys 0..{row - 1} and the pass-2 key at {row}")
+
+
+def _ttt_problem(calls, got, want, batch, lm_rows, vocab_index, reg_weight) -> str | None:
+    """Why the learner's loss differs from the reference (read off what it fed the head), or None."""
+    import torch
+
+    from radarlab.train.train_draft import draft_step_loss
+
+    feats = batch["features"].float()
+    b, length, hidden = feats.shape[0], feats.shape[1] - 1, feats.shape[2]
+    if not isinstance(got, torch.Tensor) or got.numel() != 1:
+        return f"it returned {type(got).__name__}: return the loss alone, a one-element tensor"
+    if len(calls) != 2:
+        return (f"it called the head {len(calls)} time(s): training-time test runs it twice, pass 1 on "
+                "the true features and pass 2 on pass 1's outputs (call it as head(...), or step(...))")
+    (f1, cache1, meta1, out1), (f2, cache2, meta2, _) = calls
+    if cache2 is not cache1:
+        return ("pass 2 ran on a cache of its own: both passes take the one (cache, meta) from a single "
+                "training_attention call, so that pass 2 attends to pass 1's keys")
+    problem = _mask_problem(meta1, length)
+    if problem:
+        return problem
+    f_in, o1, f2 = feats[:, :-1], out1.view(b, length, hidden), f2.view(b, length, hidden)
+    if not torch.allclose(f1.view(b, length, hidden), f_in, atol=1e-5):
+        return "pass 1 must read the target's true features f_i at position i (features[:, :-1])"
+    if not torch.allclose(f2[:, 1:], o1[:, :-1], atol=1e-5):
+        if torch.allclose(f2, f_in, atol=1e-5):
+            return ("pass 2 read the target's true features again: that trains one step twice; a real "
+                    "draft's second step reads the head's own first output (training-time test)")
+        if torch.allclose(f2, o1, atol=1e-5):
+            return ("pass 2 at position i read pass 1's output at i; a draft's second step at i reads "
+                    "its first step's output, made at i - 1: shift by one (position 0 keeps f_0)")
+        return "pass 2's feature at position i should be pass 1's output at position i - 1"
+    got, want = float(got.detach()), float(want.detach())
+    if abs(got - want) <= 1e-4 * max(1.0, abs(want)):
+        return None
+    o2 = calls[1][3].view(b, length, hidden)
+    greedy, f_next = batch["greedy"].long(), feats[:, 1:]
+    labels, early = vocab_index[greedy[:, 1:]], vocab_index[greedy[:, :-1]]
+
+    def score(g, lab, feat):
+        return float(draft_step_loss(g, lab, feat, lm_rows, reg_weight)[0])
+
+    first = score(o1, labels, f_next)
+    second = score(o2[:, 1:], labels[:, 1:], f_next[:, 1:])
+    named = [
+        (score(o1, early, f_next) + 0.8 * score(o2[:, 1:], early[:, 1:], f_next[:, 1:]),
+         "the labels are one position early: position i's output estimates f_{i+1}, which the LM head "
+         "reads to predict the target's greedy token at i + 1 (greedy[:, 1:])"),
+        (first + 0.8 * score(o2, labels, f_next),
+         "pass 2 was scored at position 0 too; a two-step chain first fits at position 1 (pass 1 at 0, "
+         "pass 2 at 1), and its position 0 read no output of pass 1"),
+        (first + 0.8 * score(o2[:, :-1], labels[:, 1:], f_next[:, 1:]),
+         "pass 2's output at i was scored on the token at i + 2; it estimates f_{i+1}, like pass 1's at "
+         "i (only the features it read differ): score it on greedy[:, 1:] at i"),
+        (first + second, "the two passes were weighted alike; pass 2 counts 0.8 times pass 1"),
+        (first, "only pass 1 was scored; the loss is pass 1's plus 0.8 x pass 2's"),
+    ]
+    hint = next((what for value, what in named if abs(got - value) <= 1e-4 * max(1.0, abs(value))), None)
+    return hint or f"the loss is {got:.6g}, expected {want:.6g}"
+
+
+def check_ttt_loss(ttt_loss) -> bool:
+    """Check a learner's ttt_loss(head, embed, lm_rows, batch, vocab_index, reg_weight): two passes of
+    the head (true features, then its own outputs one position back) under a real draft's attention
+    mask, each scored on the target's greedy token over the draft vocabulary plus the feature loss,
+    pass 2 weighted 0.8; its value and its gradient against radarlab's."""
+    from radarlab.spec_decode.draft_head import draft_forward
+    from radarlab.train.train_draft import ttt_loss as reference
+
+    name = "ttt_loss"
+    for rows, length, reg_weight, seed in ((3, 10, 0.1, 1), (2, 7, 0.5, 2)):
+        description = f"{rows} rows of {length + 1} cached tokens, reg_weight {reg_weight}"
+        batch, embed, lm_rows, vocab_index = _ttt_batch(rows, length, seed)
+        calls = []
+
+        def recording(head, token_embeds, features, positions, kv_cache, meta):
+            out = draft_forward(head, token_embeds, features, positions, kv_cache, meta)
+            calls.append((features.detach().clone(), kv_cache, meta, out.detach().clone()))
+            return out
+
+        head, mine = _tiny_head(), _tiny_head(recording)
+        want = reference(head, embed, lm_rows, batch, vocab_index, reg_weight)
+        got, problem = call_learner(lambda: ttt_loss(mine, embed, lm_rows, batch, vocab_index, reg_weight),
+                                    description)
+        if problem:
+            hint = (" (labels are rows of lm_rows: map the greedy token ids through vocab_index)"
+                    if "out of bounds" in problem else "")
+            return verdict(name, problem + hint)
+        problem = (_ttt_problem(calls, got, want, batch, lm_rows, vocab_index, reg_weight)
+                   or _gradient_problem(got, want, mine, head))
+        if problem:
+            return verdict(name, f"for {description}: {problem}")
+    return verdict(name, None)
+
+
+def _gradient_problem(got, want, mine, head) -> str | None:
+    import torch
+
+    if not got.requires_grad:
+        return ("the loss carries no gradient (computed under torch.no_grad, or detached): training "
+                "could not move the head")
+    got.backward()
+    want.backward()
+    for (n, p), q in zip(mine.named_parameters(), head.parameters()):
+        if p.grad is None or not torch.allclose(p.grad, q.grad, atol=1e-6, rtol=1e-4):
+            return (f"the loss is right but its gradient in {n} is not: pass 2 trains through pass 1's "
+                    "outputs (do not .detach() them), as a real draft's errors compound through both steps")
+    return None
+
+
+# --- acceptance_counts and first_costly_batch ------------------------------------------------------
 
 # acceptance_counts (accepted drafts per position from a verify log) and first_costly_batch (the batch
 # at which a verify step stops costing about one decode step, on the roofline).

@@ -145,8 +145,9 @@ class DecodeTiming:
 
 def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmup: int = 1,
                    seed: int = 0, budget_s: float | None = None,
-                   threads: int | None = None) -> list[DecodeTiming]:
-    """Time our forward pass on one-token decode steps for each batch size.
+                   threads: int | None = None, query_len: int = 1) -> list[DecodeTiming]:
+    """Time our forward pass on one-token decode steps for each batch size (query_len > 1: verify
+    steps, query_len new tokens a sequence, all of them scored, as speculative decoding's).
 
     The prefill is skipped: each sequence starts with `context` positions of zero K/V already in a
     contiguous cache. The arithmetic and memory traffic of a decode step do not depend on what the
@@ -175,15 +176,16 @@ def measure_decode(model, batch_sizes, context: int = 128, steps: int = 4, warmu
             if budget_s is not None and results and time.perf_counter() - started > budget_s:
                 break
             batch = require_int("batch", batch)
-            cache = ContiguousKVCache.for_model(cfg, batch, context + warmup + steps, dtype=param.dtype,
-                                                device=param.device)
+            cache = ContiguousKVCache.for_model(cfg, batch, context + (warmup + steps) * query_len,
+                                                dtype=param.dtype, device=param.device)
             rows = torch.arange(batch)
             times = []
             for s in range(warmup + steps):
-                meta = AttentionMetadata.from_lens([1] * batch, [context + s + 1] * batch, cache_rows=rows)
-                ids = torch.randint(cfg.vocab_size, (batch,), generator=gen).to(param.device)
+                seq_len = context + (s + 1) * query_len
+                meta = AttentionMetadata.from_lens([query_len] * batch, [seq_len] * batch, cache_rows=rows)
+                ids = torch.randint(cfg.vocab_size, (batch * query_len,), generator=gen).to(param.device)
                 positions = meta.positions.to(param.device)
-                logits_at = torch.arange(batch, device=param.device)
+                logits_at = torch.arange(batch * query_len, device=param.device)
                 synchronize(param.device)
                 t0 = time.perf_counter()
                 model(ids, positions, cache, meta, logits_indices=logits_at)

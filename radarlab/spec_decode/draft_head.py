@@ -11,8 +11,11 @@ This is the layout vLLM's EAGLE-1 Llama head uses (vllm/model_executor/models/ll
 checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden layer, no final norm,
 embedding and LM head shared with the target when the checkpoint has none.
 
-draft_chain is the drafting loop (catch up on true features, then k steps on the head's own), shared
-by the evaluator's contiguous cache (draft_eval) and the engine's paged one (radarlab.spec_decode.eagle).
+draft_forward is the head's computation, a DraftHead constructor argument: notebook 09's exercise
+plugs a learner's own in there, and every caller (the engine's proposer, the evaluator, training)
+runs it through head(...). draft_chain is the drafting loop (catch up on true features, then k steps
+on the head's own), shared by the evaluator's contiguous cache (draft_eval) and the engine's paged
+one (radarlab.spec_decode.eagle).
 """
 from __future__ import annotations
 
@@ -39,12 +42,27 @@ class NoNorm(nn.Module):
         return x
 
 
-class DraftHead(nn.Module):
-    """fc over [token embedding, target feature], then one decoder layer without its input norm."""
+def draft_forward(head: "DraftHead", token_embeds: torch.Tensor, features: torch.Tensor,
+                  positions: torch.Tensor, kv_cache, meta) -> torch.Tensor:
+    """The head's computation (notebook 09's exercise): fc over [embedding of token t+1, f_t], RoPE at
+    each token's position, the decoder layer (its input norm is NoNorm) -> the estimate of f_{t+1}."""
+    x = head.fc(torch.cat((token_embeds, features), dim=-1))
+    cos, sin = head.rope(positions, x.dtype)
+    return head.layer(x, cos, sin, kv_cache, meta)
 
-    def __init__(self, config: LlamaConfig) -> None:
+
+class DraftHead(nn.Module):
+    """fc over [token embedding, target feature], then one decoder layer without its input norm.
+    draft_forward computes it (a function with draft_forward's signature: a learner's own plugs in
+    here, and every caller, the engine's proposer and the training loop, runs it)."""
+
+    def __init__(self, config: LlamaConfig, draft_forward=draft_forward) -> None:
         super().__init__()
+        if not callable(draft_forward):
+            raise TypeError(f"draft_forward must be a function like radarlab.spec_decode.draft_head."
+                            f"draft_forward, got {type(draft_forward).__name__}")
         self.config = config
+        self.draft_forward = draft_forward
         h = config.hidden_size
         self.fc = Linear(2 * h, h, bias=False)
         self.layer = DecoderLayer(config, 0)
@@ -63,9 +81,7 @@ class DraftHead(nn.Module):
         if token_embeds.shape != features.shape or token_embeds.shape[-1] != self.config.hidden_size:
             raise ValueError(f"token_embeds {tuple(token_embeds.shape)} and features {tuple(features.shape)} "
                              f"must both be [T, {self.config.hidden_size}]")
-        x = self.fc(torch.cat((token_embeds, features), dim=-1))
-        cos, sin = self.rope(positions, x.dtype)
-        return self.layer(x, cos, sin, kv_cache, meta)
+        return self.draft_forward(self, token_embeds, features, positions, kv_cache, meta)
 
     def flops_per_token(self, vocab_size: int) -> int:
         """Multiply-adds x 2 of one draft step, LM head over vocab_size rows included (attention's
@@ -139,9 +155,10 @@ def save_head(head: DraftHead, directory: str | Path, target_hf_config: dict,
     return directory
 
 
-def load_head(directory: str | Path, target: LlamaConfig,
-              dtype=torch.float32) -> tuple[DraftHead, torch.Tensor | None]:
-    """(head, draft vocabulary or None) from a directory save_head wrote; the target's config must match."""
+def load_head(directory: str | Path, target: LlamaConfig, dtype=torch.float32,
+              draft_forward=draft_forward) -> tuple[DraftHead, torch.Tensor | None]:
+    """(head, draft vocabulary or None) from a directory save_head wrote; the target's config must match.
+    draft_forward: the head's computation (DraftHead's)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
@@ -151,7 +168,7 @@ def load_head(directory: str | Path, target: LlamaConfig,
                       ("num_key_value_heads", target.num_kv_heads)):
         if cfg.get(key) != ours:
             raise ValueError(f"draft head {key}={cfg.get(key)} does not match the target's {ours}")
-    head = DraftHead(draft_config(target, cfg.get("intermediate_size")))
+    head = DraftHead(draft_config(target, cfg.get("intermediate_size")), draft_forward)
     state = {k.replace("layers.0.", "layer.", 1): v.to(dtype) for k,
              v in load_file(str(directory / WEIGHTS_FILE)).items()}
     missing, unexpected = head.load_state_dict(state, strict=False)

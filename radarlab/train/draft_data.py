@@ -88,17 +88,38 @@ def target_features_batch(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch
     return f.view(b, length, -1), greedy.view(b, length)
 
 
-def cache_features(model, chunks: torch.Tensor, out: str | Path, batch: int = 4) -> Path:
-    """Run the target over the chunks once; save tokens, fp16 features and greedy labels to `out`."""
+def features_of(model, chunks: torch.Tensor, batch: int = 4) -> dict[str, torch.Tensor]:
+    """One target pass over the chunks [N, L]: tokens, fp16 features and greedy labels, as a shard holds."""
     feats, greedy = [], []
     for i in range(0, chunks.shape[0], batch):
         f, g = target_features_batch(model, chunks[i:i + batch])
         feats.append(f.half())
         greedy.append(g.int())
+    return {"tokens": chunks.int(), "features": torch.cat(feats), "greedy": torch.cat(greedy)}
+
+
+def cache_features(model, chunks: torch.Tensor, out: str | Path, batch: int = 4) -> Path:
+    """Run the target over the chunks once; save tokens, fp16 features and greedy labels to `out`."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    torch.save({"tokens": chunks.int(), "features": torch.cat(feats), "greedy": torch.cat(greedy)}, out)
+    torch.save(features_of(model, chunks, batch), out)
     return out
+
+
+def small_feature_set(model, tokenizer, rows: int, seq_len: int, seed: int = 0, batch: int = 8) -> dict:
+    """A small cached feature set in memory (notebook 09's minute of training): one chunk of seq_len
+    tokens from each of `rows` training files drawn with `seed`, and the target's features over them.
+    One chunk per file keeps the few rows as varied as the library is."""
+    train, _ = split_files()
+    gen = torch.Generator().manual_seed(seed)
+    chunks = []
+    for i in torch.randperm(len(train), generator=gen).tolist():
+        file_chunks = token_chunks(tokenizer, [train[i]], seq_len)
+        if len(file_chunks):
+            chunks.append(file_chunks[int(torch.randint(len(file_chunks), (1,), generator=gen))])
+        if len(chunks) == rows:
+            break
+    return features_of(model, torch.stack(chunks), batch)
 
 
 def cache_shards(model, tokenizer, out_dir: str | Path, seq_len: int = 256, shard_chunks: int = 32,

@@ -7,11 +7,14 @@ reads the head's own output of pass p - 1 one position back, and attends to what
 have in its cache at that step: pass-1 keys up to the last verified position, then one key of each
 later pass. Every pass is scored on the target's greedy token (cross-entropy over a draft vocabulary
 of the most frequent greedy tokens, through the frozen LM head) plus a smooth-L1 pull towards the
-target's true next feature.
+target's true next feature. Each pass is one call of the head (its draft_forward), whose attention
+(UnrolledAttention) keeps the earlier passes' K/V and applies that mask; train takes the loss as an
+argument (notebook 09's exercise writes a two-pass one, ttt_loss's).
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import time
@@ -20,8 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from radarlab.models.llama import apply_rope
-from radarlab.spec_decode.draft_head import DraftHead, draft_config, save_head
+from radarlab.attention.metadata import AttentionMetadata
+from radarlab.spec_decode.draft_head import DraftHead, draft_config, draft_forward, save_head
 from radarlab.util import require_int
 
 
@@ -46,34 +49,63 @@ def unroll_mask(length: int, passes: int, device=None) -> torch.Tensor:
     return mask
 
 
+class UnrolledAttention:
+    """The attention backend of the unrolled training forward: the head runs once per pass over B rows
+    of L positions (packed [B*L]); the cache (a list) keeps every pass's K/V, and the queries of pass p
+    attend to the keys of passes 1..p as mask[p - 1] allows ([passes, L, passes * L], unroll_mask's
+    layout)."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        if mask.dim() != 3 or mask.dtype != torch.bool or mask.shape[2] != mask.shape[0] * mask.shape[1]:
+            raise ValueError(f"mask must be bool [passes, L, passes * L], got {mask.dtype} "
+                             f"{tuple(mask.shape)}")
+        self.mask = mask
+
+    def is_built(self, meta: AttentionMetadata, kv_cache) -> bool:
+        return meta.backend is self
+
+    def forward(self, layer, q, k, v, meta: AttentionMetadata, kv_cache: list, scale: float):
+        passes, length = self.mask.shape[:2]
+        p = len(kv_cache)
+        if p >= passes:
+            raise ValueError(f"the mask has {passes} passes; this is pass {p + 1}")
+        b = meta.num_seqs
+        t, h, d = q.shape
+        kv_cache.append((k, v))
+
+        def rows(x):  # packed [B*L, heads, D] -> [B, H, L, D], the K/V heads repeated for GQA
+            return x.view(b, length, x.shape[1], d).transpose(1, 2).repeat_interleave(h // x.shape[1], dim=1)
+
+        keys = torch.cat([rows(k) for k, _ in kv_cache], 2)
+        values = torch.cat([rows(v) for _, v in kv_cache], 2)
+        mask = self.mask[p, :, :(p + 1) * length].to(q.device)
+        out = F.scaled_dot_product_attention(rows(q), keys, values, attn_mask=mask, scale=scale)
+        return out.transpose(1, 2).reshape(t, h, d)
+
+
+def training_attention(batch: int, length: int, mask: torch.Tensor) -> tuple[list, AttentionMetadata]:
+    """(cache, metadata) for the head's passes over `batch` rows of `length` positions: call
+    head(embeds, features, positions, cache, meta) once per pass, with the same two; pass p's queries
+    see the keys mask[p - 1] allows (UnrolledAttention)."""
+    meta = AttentionMetadata.from_lens([length] * batch, [length] * batch, backend=UnrolledAttention(mask))
+    return [], meta
+
+
 def unrolled_forward(head: DraftHead, embeds: torch.Tensor, features: torch.Tensor,
                      passes: int) -> list[torch.Tensor]:
     """embeds, features [B, L, H] (token t+1, target feature f_t) -> one [B, L, H] output per pass.
-    Pass p's output at i is the head's estimate of f_{i+1} after p - 1 steps on its own features."""
+    Pass p's output at i is the head's estimate of f_{i+1} after p - 1 steps on its own features.
+    Each pass is one call of the head (its draft_forward), through UnrolledAttention."""
     b, length, hidden = embeds.shape
-    layer = head.layer
-    attn = layer.self_attn
-    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
-    cos, sin = head.rope(torch.arange(length), embeds.dtype)
-    mask = unroll_mask(length, passes, embeds.device)
-    keys, values, outs = [], [], []
+    cache, meta = training_attention(b, length, unroll_mask(length, passes, embeds.device))
+    positions = torch.arange(length, device=embeds.device).repeat(b)
+    outs = []
     feats = features
     for p in range(passes):
         if p:
             feats = torch.cat((features[:, :1], outs[-1][:, :-1]), dim=1)  # own output one step back
-        x = head.fc(torch.cat((embeds, feats), dim=-1))
-        flat = x.reshape(b * length, hidden)
-        rope_cos, rope_sin = cos.repeat(b, 1), sin.repeat(b, 1)
-        q = apply_rope(attn.q_proj(flat).view(-1, nh, d), rope_cos, rope_sin)
-        k = apply_rope(attn.k_proj(flat).view(-1, nkv, d), rope_cos, rope_sin)
-        v = attn.v_proj(flat).view(-1, nkv, d)
-        keys.append(k.view(b, length, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1))
-        values.append(v.view(b, length, nkv, d).transpose(1, 2).repeat_interleave(nh // nkv, dim=1))
-        q = q.view(b, length, nh, d).transpose(1, 2)
-        o = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2),
-                                           attn_mask=mask[p, :, :(p + 1) * length], scale=attn.scale)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(b, length, nh * d))
-        outs.append(x + layer.mlp(layer.post_attention_layernorm(x)))
+        g = head(embeds.reshape(-1, hidden), feats.reshape(-1, hidden), positions, cache, meta)
+        outs.append(g.view(b, length, hidden))
     return outs
 
 
@@ -89,10 +121,23 @@ def linear_init(embed, data: dict, ridge: float, max_rows: int = 65536) -> torch
     return torch.linalg.solve(gram, x.T @ y).T
 
 
-def unrolled_loss(head, embed, lm_rows, batch, passes: int, vocab_index: torch.Tensor, reg_weight: float):
+def draft_step_loss(g: torch.Tensor, labels: torch.Tensor, target_feat: torch.Tensor, lm_rows: torch.Tensor,
+                    reg_weight: float) -> tuple[torch.Tensor, float]:
+    """(loss, greedy accuracy) of one draft step's outputs g [B, n, H]: cross-entropy of its guesses
+    g @ lm_rows.T (the frozen LM head's rows of the draft vocabulary) against labels [B, n] (rows of
+    lm_rows; -100 outside the draft vocabulary, ignored), plus reg_weight x the smooth-L1 distance
+    from g to the target's true next features target_feat [B, n, H]."""
+    logits = g @ lm_rows.T
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+    reg = F.smooth_l1_loss(g, target_feat)
+    return ce + reg_weight * reg, float((logits.argmax(-1) == labels).float().mean())
+
+
+def unrolled_loss(head, embed, lm_rows, batch, vocab_index: torch.Tensor, reg_weight: float, passes: int = 3):
     """(loss, per-pass greedy accuracy). batch: tokens, features, greedy [B, L]. Position i of a row
     reads (f_i, token i+1) and is scored on greedy token i+1 and feature f_{i+1}; pass p is scored
-    only where a chain of p steps fits (i >= p - 1)."""
+    only where a chain of p steps fits (i >= p - 1), weighted 0.8^(p-1). lm_rows: the LM head's rows
+    of the draft vocabulary; vocab_index: target id -> row (-100 outside it)."""
     tokens, feats, greedy = batch["tokens"].long(), batch["features"].float(), batch["greedy"].long()
     with torch.no_grad():
         embeds = embed(tokens[:, 1:])
@@ -101,39 +146,55 @@ def unrolled_loss(head, embed, lm_rows, batch, passes: int, vocab_index: torch.T
     labels = vocab_index[greedy[:, 1:]]  # -100 where the token is outside the draft vocabulary
     loss, accs = 0.0, []
     for p, g in enumerate(outs):
-        logits = g[:, p:] @ lm_rows.T
-        lab = labels[:, p:]
-        ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), lab.reshape(-1), ignore_index=-100)
-        reg = F.smooth_l1_loss(g[:, p:], target_feat[:, p:])
-        loss = loss + (ce + reg_weight * reg) * (0.8 ** p)
-        accs.append(float((logits.argmax(-1) == lab).float().mean()))
+        step_loss, acc = draft_step_loss(g[:, p:], labels[:, p:], target_feat[:, p:], lm_rows, reg_weight)
+        loss = loss + step_loss * (0.8 ** p)
+        accs.append(acc)
     return loss, accs
 
 
-def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: int = 3,
+def ttt_loss(head, embed, lm_rows, batch, vocab_index: torch.Tensor, reg_weight: float) -> torch.Tensor:
+    """The two-step training-time-test loss alone (unrolled_loss over two passes): notebook 09's
+    exercise, and a loss_fn for train."""
+    return unrolled_loss(head, embed, lm_rows, batch, vocab_index, reg_weight, passes=2)[0]
+
+
+def init_head(model, data: dict, intermediate_size: int | None = None, ridge: float = 1e-2, seed: int = 0,
+              draft_forward=draft_forward) -> DraftHead:
+    """A fresh head that starts as the best linear map [embedding of token t+1, f_t] -> f_{t+1} (least
+    squares over the cached rows), its layer's two output projections zeroed so that it passes fc's
+    output through unchanged: training then learns what the linear map cannot."""
+    torch.manual_seed(seed)
+    head = DraftHead(draft_config(model.config, intermediate_size), draft_forward)
+    with torch.no_grad():
+        head.fc.weight.copy_(linear_init(model.embed_tokens, data, ridge))
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
+    return head
+
+
+def train(data, model, out: Path | None, *, steps: int, batch_rows: int = 8, passes: int = 3,
           vocab_size: int = 8192, lr: float = 1e-3, reg_weight: float = 0.1, seed: int = 0,
           time_limit_s: float | None = None, log=print, log_every: int = 25, hf_config: dict | None = None,
           intermediate_size: int | None = None, vocab: torch.Tensor | None = None,
-          reload_every: int = 100, ridge: float = 1e-2, save_every: int = 25) -> dict:
-    """Train a fresh head on the cached rows; checkpoint to `out` (fp16) as it goes. Returns a summary.
+          reload_every: int = 100, ridge: float = 1e-2, save_every: int = 25, head: DraftHead | None = None,
+          loss_fn=None) -> dict:
+    """Train a head on the cached rows; checkpoint to `out` (fp16; None: no files) as it goes. Returns a
+    summary.
 
     data: the cached rows (a dict), or a function returning them, called again every reload_every
     steps (training can start while the cache is still growing). vocab: the draft vocabulary, else
     the vocab_size most frequent greedy tokens of the first data. The learning rate follows a cosine
-    over the steps, or over time_limit_s if that ends sooner."""
+    over the steps, or over time_limit_s if that ends sooner. head: trained in place (default: a fresh
+    one, init_head). loss_fn(head, embed, lm_rows, batch, vocab_index, reg_weight) -> loss, or (loss,
+    per-pass accuracy): default unrolled_loss over `passes` passes (notebook 09's exercise plugs in
+    here)."""
     log = log or (lambda *_: None)
     load = data if callable(data) else (lambda: data)
     data = load()
-    torch.manual_seed(seed)
-    cfg = draft_config(model.config, intermediate_size)
-    head = DraftHead(cfg)
-    with torch.no_grad():
-        # start as the best linear map [embedding of token t+1, f_t] -> f_{t+1} (least squares), with
-        # the layer's two output projections zeroed so that it passes fc's output through unchanged;
-        # training then learns what the linear map cannot
-        head.fc.weight.copy_(linear_init(model.embed_tokens, data, ridge))
-        head.layer.self_attn.o_proj.weight.zero_()
-        head.layer.mlp.down_proj.weight.zero_()
+    if head is None:
+        head = init_head(model, data, intermediate_size, ridge, seed)
+    cfg = head.config
+    loss_fn = loss_fn or functools.partial(unrolled_loss, passes=passes)
     if vocab is None:
         vocab = draft_vocabulary(data["greedy"], vocab_size, cfg.vocab_size)
     vocab_index = torch.full((cfg.vocab_size,), -100, dtype=torch.long)
@@ -158,6 +219,11 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
         opt,
         lambda s: min(1.0, (s + 1) / warmup) * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress(s)))))
     gen = torch.Generator().manual_seed(seed)
+
+    def save(h):
+        if out is not None:
+            save_head(h, out, hf_config or {}, vocab)
+
     history = []
     step = 0
     for step in range(1, steps + 1):
@@ -169,28 +235,30 @@ def train(data, model, out: Path, *, steps: int, batch_rows: int = 8, passes: in
                     coverage = float((vocab_index[data["greedy"].long()] >= 0).float().mean())
                     log(f"now {rows} rows; draft vocabulary covers {coverage:.1%} of greedy tokens")
             idx = torch.randint(rows, (batch_rows,), generator=gen)
-            loss, accs = unrolled_loss(head, embed, lm_rows, {k: v[idx] for k, v in data.items()}, passes,
-                                       vocab_index, reg_weight)
+            batch = {k: v[idx] for k, v in data.items()}
+            loss = loss_fn(head, embed, lm_rows, batch, vocab_index, reg_weight)
+            loss, accs = loss if isinstance(loss, tuple) else (loss, [])
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             opt.step()
             sched.step()
         except KeyboardInterrupt:  # Ctrl-C (SIGINT): keep what was learnt so far
-            save_head(head, out, hf_config or {}, vocab)
-            log(f"interrupted at step {step}; saved")
+            save(head)
+            log(f"interrupted at step {step}" + ("; saved" if out is not None else ""))
             step -= 1
             break
         history.append((float(loss.detach()), accs))
         if step % log_every == 0 or step == steps:
             recent = history[-log_every:]
-            mean_acc = [sum(a[p] for _, a in recent) / len(recent) for p in range(passes)]
+            mean_acc = [sum(a[p] for _, a in recent) / len(recent) for p in range(len(accs))]
             log(f"step {step}/{steps} loss {sum(l for l, _ in recent) / len(recent):.3f} "
-                f"acc per pass {[round(a, 3) for a in mean_acc]} {time.perf_counter() - start:.0f} s")
+                + (f"acc per pass {[round(a, 3) for a in mean_acc]} " if accs else "")
+                + f"{time.perf_counter() - start:.0f} s")
         if step % save_every == 0 or step == steps:
-            save_head(head, out, hf_config or {}, vocab)
+            save(head)
         if time_limit_s is not None and time.perf_counter() - start > time_limit_s:
-            save_head(head, out, hf_config or {}, vocab)
+            save(head)
             log(f"time limit reached at step {step}")
             break
     summary = {"steps": step, "rows": rows, "seq_len": int(data["tokens"].shape[1]), "batch_rows": batch_rows,

@@ -88,6 +88,12 @@ def test_measure_decode_on_a_tiny_model():
     assert all(t.ms_per_step > 0 and t.ms_per_token == pytest.approx(t.ms_per_step / t.batch) for t in out)
 
 
+def test_measure_decode_times_verify_steps_too():
+    """query_len tokens a sequence, each with its K/V written: a verify step of speculative decoding."""
+    out = measure_decode(_tiny_llama(), [2], context=5, steps=2, query_len=4)
+    assert out[0].batch == 2 and out[0].ms_per_step > 0
+
+
 def test_measure_decode_stops_at_its_budget():
     out = measure_decode(_tiny_llama(1), [1, 2, 4], context=3, steps=1, budget_s=0.0)
     assert [t.batch for t in out] == [1]  # the first point is always measured

@@ -92,6 +92,24 @@ def run_greedy(tiny, config, workload, batch, num_blocks, budget):
     return engine
 
 
+def test_a_draft_forward_of_ones_own_runs_in_the_engine(tiny, head_dir, workload):
+    """The seam of notebook 09's exercise: a head loaded with another draft_forward drafts through it,
+    and drafts what the head's own forward drafts."""
+    from radarlab.spec_decode.draft_head import draft_forward
+
+    calls = []
+
+    def counted(*args):
+        calls.append(1)
+        return draft_forward(*args)
+
+    mine, vocab = load_head(head_dir, tiny.config, draft_forward=counted)
+    ours = run_greedy(tiny, eagle((mine, vocab)), workload, 3, 128, 512)
+    assert calls
+    reference = run_greedy(tiny, eagle(str(head_dir)), workload, 3, 128, 512)
+    assert ours.spec_stats.num_accepted_tokens_per_pos == reference.spec_stats.num_accepted_tokens_per_pos
+
+
 def test_a_preempted_request_gives_back_the_heads_blocks(tiny, head_dir, workload):
     """Preemption frees a request's target blocks, and it will be recomputed from its first token:
     its draft copy goes too (vLLM frees both together), so the head's pool never holds a request the

@@ -110,6 +110,29 @@ def test_training_reduces_loss(tiny, tmp_path):
     assert (tmp_path / "model.safetensors").exists()
 
 
+def test_training_takes_a_head_and_a_loss_of_ones_own(tiny):
+    """Notebook 09's minute of training: a given head trained in place with a given loss, no files."""
+    from radarlab.train.train_draft import ttt_loss
+
+    torch.manual_seed(3)
+    ids = torch.tensor([[(7 * i + r) % 20 for i in range(32)] for r in range(8)])
+    feats, greedy = target_features_batch(tiny, ids)
+    data = {"tokens": ids.int(), "features": feats.half(), "greedy": greedy.int()}
+    head = DraftHead(draft_config(tiny.config))
+    before = {n: p.detach().clone() for n, p in head.named_parameters()}
+    losses = []
+
+    def recorded(*args):
+        loss = ttt_loss(*args)
+        losses.append(float(loss.detach()))
+        return loss
+
+    summary = train(data, tiny, None, steps=30, batch_rows=4, passes=2, vocab_size=64, lr=3e-3, log=None,
+                    head=head, loss_fn=recorded)
+    assert len(losses) == 30 and summary["final_loss"] < summary["first_loss"]
+    assert any(not torch.equal(p, before[n]) for n, p in head.named_parameters())
+
+
 def test_ngram_lookup_uses_the_leftmost_longest_match():
     assert ngram_lookup([1, 2, 3, 9, 1, 2, 3, 8, 1, 2, 3], 2) == [9, 1]
     assert ngram_lookup([4, 5, 6, 7], 3) == []
