@@ -5,7 +5,8 @@ token t+1. The head takes f_t and the embedding of token t+1, fuses them with on
 (fc: [embed, feature] -> hidden), runs one Llama decoder layer (no input norm) and outputs g_t, an
 estimate of f_{t+1}. The target's frozen LM head turns g_t into a guess for token t+2, and g_t is
 fed back as the feature for the next draft step. Embedding and LM head are the target's, so the
-head owns only fc and one layer: 4.2 M parameters for the course model.
+head owns only fc and one layer: 4.2 M parameters for the course model at its own MLP width, 3.3 M
+for the shipped head, whose MLP is narrower (1,024 against 1,536).
 
 This is the layout vLLM's EAGLE-1 Llama head uses (vllm/model_executor/models/llama_eagle.py):
 checkpoint keys fc.weight and layers.0.*, a Llama config.json with one hidden layer, no final norm,
