@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-import radarlab.checks as checks
+from radarlab.checks import (
+    check_int4_bytes_per_token,
+    check_kivi_keys,
+    check_pack_nibbles,
+    check_quantize_group,
+    check_quantized_length,
+)
+from radarlab.checks.nb07_int4 import reference_int4_bytes_per_token, reference_quantize_group
 from radarlab.quant import int4, kivi
 from radarlab.util import cdiv
 
@@ -32,7 +39,7 @@ def _flattens(codes):  # packs the whole tensor as one row
 
 
 def test_pack_reference_passes(verdict):
-    verdict(checks.check_pack_nibbles, pack_reference)
+    verdict(check_pack_nibbles, pack_reference)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -42,7 +49,7 @@ def test_pack_reference_passes(verdict):
     (_flattens, "shape (768,)"),
 ])
 def test_pack_mistakes_are_described(verdict, fn, words):
-    verdict(checks.check_pack_nibbles, fn, words)
+    verdict(check_pack_nibbles, fn, words)
 
 
 # --- quantize_group ------------------------------------------------------------------------------
@@ -89,9 +96,9 @@ def _divides_by_zero(x, group_size):  # a constant group gives scale 0 and NaN c
     return codes.to(torch.uint8).reshape(x.shape), scale, lo + torch.where(hi > lo, 0.0, float("nan"))
 
 
-@pytest.mark.parametrize("fn", [checks.reference_quantize_group, quantize_group_float32])
+@pytest.mark.parametrize("fn", [reference_quantize_group, quantize_group_float32])
 def test_quantize_group_references_pass(verdict, fn):
-    verdict(checks.check_quantize_group, fn)
+    verdict(check_quantize_group, fn)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -102,12 +109,12 @@ def test_quantize_group_references_pass(verdict, fn):
     (_divides_by_zero, "not finite"),
 ])
 def test_quantize_group_mistakes_are_described(verdict, fn, words):
-    verdict(checks.check_quantize_group, fn, words)
+    verdict(check_quantize_group, fn, words)
 
 
 def test_reference_quantize_group_round_trips_within_half_a_step():
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
-    codes, scales, zeros = checks.reference_quantize_group(x, 32)
+    codes, scales, zeros = reference_quantize_group(x, 32)
     back = (codes.float().reshape(3, 2, 32) * scales[..., None] + zeros[..., None]).reshape(3, 64)
     assert codes.dtype == torch.uint8 and int(codes.max()) <= 15
     assert bool(((back - x).abs() <= scales.repeat_interleave(32, -1) / 2 + 1e-6).all())
@@ -136,16 +143,16 @@ def _fp16_always(layers, kv_heads, head_dim, group_size, symmetric, scale_bytes)
     return bytes_reference(layers, kv_heads, head_dim, group_size, symmetric, 2)
 
 
-@pytest.mark.parametrize("fn", [bytes_reference, checks.reference_int4_bytes_per_token])
+@pytest.mark.parametrize("fn", [bytes_reference, reference_int4_bytes_per_token])
 def test_bytes_references_pass(verdict, fn):
-    verdict(checks.check_int4_bytes_per_token, fn)
+    verdict(check_int4_bytes_per_token, fn)
 
 
 def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
     # 80 x 8 x 128 x 2 values a token: 81,920 bytes of codes, plus 1,280 groups x (2 + 2) bytes
-    assert checks.reference_int4_bytes_per_token(80, 8, 128, 128, False, 2) == 81920 + 1280 * 4
+    assert reference_int4_bytes_per_token(80, 8, 128, 128, False, 2) == 81920 + 1280 * 4
     with pytest.raises(ValueError, match="scale_bytes"):
-        checks.reference_int4_bytes_per_token(80, 8, 128, 128, False, 4)
+        reference_int4_bytes_per_token(80, 8, 128, 128, False, 4)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -155,7 +162,7 @@ def test_reference_bytes_counts_the_article_row_and_rejects_odd_scale_sizes():
     (_fp16_always, "fp8 scales"),
 ])
 def test_bytes_mistakes_are_described(verdict, fn, words):
-    verdict(checks.check_int4_bytes_per_token, fn, words)
+    verdict(check_int4_bytes_per_token, fn, words)
 
 
 # --- quantize_group: groups along the wrong axis ---------------------------------------------------
@@ -169,8 +176,8 @@ def _strided_groups(x, group_size):  # group j takes every (n / g)-th value, not
 
 
 def test_quantize_group_strided_groups_are_described(verdict):
-    verdict(checks.check_quantize_group, _strided_groups,
-            "for x = [-1, 1, 2, 5], groups of 2, group 1's zero point is 1, expected its minimum 2")
+    verdict(check_quantize_group, _strided_groups, "for x = [-1, 1, 2, 5], groups of 2, group 1's zero point "
+                                                   "is 1, expected its minimum 2")
 
 
 # --- the main exercise: quantize_keys_per_channel and quantized_length ---------------------------
@@ -217,7 +224,7 @@ def _packed(k, group_size):  # packs the codes: the cache packs them itself
 
 @pytest.mark.parametrize("fn", [kivi_keys_reference, kivi.quantize_key_codes])
 def test_kivi_keys_references_pass(verdict, fn):
-    verdict(checks.check_kivi_keys, fn)
+    verdict(check_kivi_keys, fn)
 
 
 def test_the_notebook_answer_is_radarlab_quantizer_bit_for_bit():
@@ -234,7 +241,7 @@ def test_the_notebook_answer_is_radarlab_quantizer_bit_for_bit():
     (_packed, "codes has shape (4, 1, 2), expected (4, 1, 4) (one code per key value, unpacked)"),
 ])
 def test_kivi_keys_mistakes_are_described(verdict, fn, words):
-    verdict(checks.check_kivi_keys, fn, words)
+    verdict(check_kivi_keys, fn, words)
 
 
 def quantized_length_reference(num_tokens, group_size, residual):  # the notebook's answer
@@ -263,7 +270,7 @@ def _float(num_tokens, group_size, residual):
 
 @pytest.mark.parametrize("fn", [quantized_length_reference, kivi.quantized_length])
 def test_quantized_length_references_pass(verdict, fn):
-    verdict(checks.check_quantized_length, fn)
+    verdict(check_quantized_length, fn)
 
 
 @pytest.mark.parametrize("fn, words", [
@@ -274,4 +281,4 @@ def test_quantized_length_references_pass(verdict, fn):
     (_float, "returned 0.0 (float); expected the int 0"),
 ])
 def test_quantized_length_mistakes_are_described(verdict, fn, words):
-    verdict(checks.check_quantized_length, fn, words)
+    verdict(check_quantized_length, fn, words)
