@@ -42,6 +42,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from radarlab.bench.report import add_batching_arguments
 from radarlab.lab.workload import random_token_prompts
 from radarlab.util import cdiv, require_int, require_number
 
@@ -551,15 +552,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=None,
                         help="KV pool blocks (default: every request at full length at "
                              "once: memory is not the limit)")
-    parser.add_argument("--block-size", type=int, default=c.block_size,
-                        help="tokens per KV block (%(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=c.max_num_seqs,
-                        help="most requests per step (%(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
-                        help="token budget per step of the rate sweep (%(default)s)")
+    add_batching_arguments(parser, c)
     parser.add_argument("--budgets", type=str, default=",".join(map(str, DEFAULT_BUDGETS)),
-                        help="comma-separated max_num_batched_tokens of the budget "
-                             "sweep, or 'none' to skip it (%(default)s)")
+                        help="comma-separated max_num_batched_tokens of the budget sweep, in place of "
+                             "--max-num-batched-tokens there, or 'none' to skip it (%(default)s)")
     parser.add_argument("--budget-rate", type=float, default=None,
                         help=f"request rate of the budget sweep (CPU: {DEFAULT_BUDGET_RATE:g}; "
                              f"full scale: {FULL_SCALE_BUDGET_RATE:g})")

@@ -1,7 +1,8 @@
 """How every benchmark's JSON is written and how the notebooks find the kept ones (results/), and the
-comma-separated list flags they share. Where it ran (environment()) lives in radarlab.lab.machine."""
+command-line flags they share. Where it ran (environment()) lives in radarlab.lab.machine."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -27,6 +28,30 @@ def comma_ints(flag: str, text: str) -> tuple[int, ...]:
 def comma_names(text: str) -> tuple[str, ...]:
     """A flag like --systems radarlab,vllm; blanks dropped."""
     return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+def add_sweep_arguments(parser: argparse.ArgumentParser, config) -> None:
+    """The flags of the sweeps over batch sizes and systems (throughput, spec), defaults the config's."""
+    parser.add_argument("--batch-sizes", default=",".join(map(str, config.batch_sizes)), help="(%(default)s)")
+    parser.add_argument("--systems", default=",".join(config.systems),
+                        help="(%(default)s); vllm needs `make vllm`")
+    parser.add_argument("--max-tokens", type=int, default=config.max_tokens,
+                        help="new tokens per request (%(default)s)")
+    parser.add_argument("--seed", type=int, default=config.seed, help="prompt seed (%(default)s)")
+    parser.add_argument("--repeats", type=int, default=config.repeats,
+                        help="runs per cell, every system alike; the fastest counts (%(default)s)")
+
+
+def add_batching_arguments(parser: argparse.ArgumentParser, config) -> None:
+    """The engine's batching flags, alike in every bench that runs it, defaults the config's;
+    --max-num-seqs only where the config has that field (throughput runs each batch whole)."""
+    parser.add_argument("--block-size", type=int, default=config.block_size,
+                        help="tokens per KV block (%(default)s)")
+    if hasattr(config, "max_num_seqs"):
+        parser.add_argument("--max-num-seqs", type=int, default=config.max_num_seqs,
+                            help="requests running at once, at most (%(default)s)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=config.max_num_batched_tokens,
+                        help="tokens computed per step, at most (%(default)s)")
 
 
 def require_sweep(config, ints: tuple[str, ...], ordered: tuple[str, str], choices: dict[str, tuple]) -> None:

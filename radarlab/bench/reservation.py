@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
+from radarlab.bench.report import add_batching_arguments
 from radarlab.engine.request import Request, RequestStatus
 from radarlab.engine.scheduler import Scheduler
 from radarlab.kvcache.block_pool import NoFreeBlocks
@@ -460,12 +461,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                                       "shape (%(default)s)")
     parser.add_argument("--budget-tokens", type=int, default=DEFAULT_BUDGET_TOKENS,
                         help="KV positions both caches share (%(default)s)")
-    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, help="paged "
-                                                                                   "block size (%(default)s)")
-    parser.add_argument("--max-num-seqs", type=int, default=DEFAULT_MAX_NUM_SEQS,
-                        help="requests running at once, at most (%(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=DEFAULT_MAX_NUM_BATCHED_TOKENS,
-                        help="tokens computed per step, at most (%(default)s)")
+    add_batching_arguments(parser, MemoryBenchConfig())
 
 
 def config_from_args(args: argparse.Namespace) -> MemoryBenchConfig:

@@ -28,7 +28,7 @@ import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, require_sweep
+from radarlab.bench.report import add_sweep_arguments, choose_kept_run, comma_ints, comma_names, require_sweep
 from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
 
 SYSTEMS = ("radarlab", "vllm")
@@ -280,13 +280,9 @@ def format_speedup_curves(doc: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = SpecBenchConfig()
     parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
+    add_sweep_arguments(parser, c)
     parser.add_argument("--workloads", default=",".join(c.workloads), help="(%(default)s)")
     parser.add_argument("--methods", default=",".join(c.methods), help="(%(default)s)")
-    parser.add_argument("--systems", default=",".join(c.systems),
-                        help="(%(default)s); vllm needs `make vllm`")
-    parser.add_argument("--max-tokens", type=int, default=c.max_tokens,
-                        help="new tokens per request (%(default)s)")
     parser.add_argument("--num-speculative-tokens", type=int, default=c.num_speculative_tokens,
                         help="n-gram k (%(default)s)")
     parser.add_argument("--prompt-lookup-min", type=int, default=c.prompt_lookup_min, help="(%(default)s)")
@@ -295,9 +291,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None,
                         help="a Llama directory: method draft runs vLLM's draft_model with it, "
                              "not the trained EAGLE head")
-    parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
-    parser.add_argument("--repeats", type=int, default=c.repeats,
-                        help="runs per cell, the fastest counts (%(default)s)")
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:

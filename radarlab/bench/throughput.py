@@ -32,7 +32,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from radarlab.bench.report import choose_kept_run, comma_ints, comma_names, require_sweep, results_dir
+from radarlab.bench.report import (
+    add_batching_arguments,
+    add_sweep_arguments,
+    choose_kept_run,
+    comma_ints,
+    comma_names,
+    require_sweep,
+    results_dir,
+)
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
 
@@ -455,22 +463,12 @@ def _yes(value) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     c = ThroughputConfig()
     parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
-    parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
+    add_sweep_arguments(parser, c)
     parser.add_argument("--dtypes", default=",".join(c.dtypes), help="(%(default)s)")
-    parser.add_argument("--systems", default=",".join(c.systems),
-                        help="(%(default)s); vllm needs `make vllm`")
-    parser.add_argument("--max-tokens", type=int, default=c.max_tokens,
-                        help="new tokens per request (%(default)s)")
     parser.add_argument("--min-prompt-len", type=int, default=c.min_prompt_len, help="(%(default)s)")
     parser.add_argument("--max-prompt-len", type=int, default=c.max_prompt_len, help="(%(default)s)")
-    parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
     parser.add_argument("--model", default=None, help="HF model id or directory (default: the course model)")
-    parser.add_argument("--block-size", type=int, default=c.block_size,
-                        help="radarlab block size (%(default)s)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=c.max_num_batched_tokens,
-                        help="radarlab's token budget per step (%(default)s)")
-    parser.add_argument("--repeats", type=int, default=c.repeats,
-                        help="runs per cell, every system alike; the fastest counts (%(default)s)")
+    add_batching_arguments(parser, c)  # radarlab's; transformers and vLLM batch their own way
 
 
 def config_from_args(args: argparse.Namespace) -> ThroughputConfig:

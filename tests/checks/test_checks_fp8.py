@@ -13,14 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from radarlab.checks import (
-    check_decode_e4m3,
-    check_decode_tile,
-    check_dequant_tile,
-    check_encode_e4m3,
-    check_fp8_load,
-    check_per_token_head_scale,
-)
+import radarlab.checks as checks
 
 # --- decode_e4m3 ---------------------------------------------------------------------------------
 
@@ -57,7 +50,7 @@ def _unsigned(code):
 
 
 def test_decode_reference_passes(verdict):
-    verdict(check_decode_e4m3, decode_e4m3)
+    verdict(checks.check_decode_e4m3, decode_e4m3)
 
 
 @pytest.mark.parametrize("fn,message", [
@@ -73,7 +66,7 @@ def test_decode_reference_passes(verdict):
      "for code 0x38 (bits 0 0111 000) it returned '1.0'; expected a float"),
 ])
 def test_decode_mistakes_fail(verdict, fn, message):
-    verdict(check_decode_e4m3, fn, message)
+    verdict(checks.check_decode_e4m3, fn, message)
 
 
 # --- encode_e4m3 ---------------------------------------------------------------------------------
@@ -135,7 +128,7 @@ def _float_codes(x, rounding):
 
 
 def test_encode_reference_passes(verdict):
-    verdict(check_encode_e4m3, encode_e4m3)
+    verdict(checks.check_encode_e4m3, encode_e4m3)
 
 
 @pytest.mark.parametrize("fn,message", [
@@ -154,7 +147,7 @@ def test_encode_reference_passes(verdict):
     (_float_codes, "expected uint8 codes of shape (6,)"),
 ])
 def test_encode_mistakes_fail(verdict, fn, message):
-    verdict(check_encode_e4m3, fn, message)
+    verdict(checks.check_encode_e4m3, fn, message)
 
 
 # --- per_token_head_scale ------------------------------------------------------------------------
@@ -184,7 +177,7 @@ def _max_not_abs(x):
 
 
 def test_scale_reference_passes(verdict):
-    verdict(check_per_token_head_scale, per_token_head_scale)
+    verdict(checks.check_per_token_head_scale, per_token_head_scale)
 
 
 @pytest.mark.parametrize("fn,message", [
@@ -196,7 +189,7 @@ def test_scale_reference_passes(verdict):
      "max |x| over head_dim / 448)"),
 ])
 def test_scale_mistakes_fail(verdict, fn, message):
-    verdict(check_per_token_head_scale, fn, message)
+    verdict(checks.check_per_token_head_scale, fn, message)
 
 
 # --- section 4: the Triton puzzles and the FP8 load -------------------------------------------------
@@ -239,7 +232,7 @@ class WithMistake:
 
 
 def test_decode_tile_solution_passes(verdict):
-    verdict(check_decode_tile, decode_tile_kernel)
+    verdict(checks.check_decode_tile, decode_tile_kernel)
 
 
 @pytest.mark.parametrize("mistake,message", [
@@ -251,7 +244,7 @@ def test_decode_tile_solution_passes(verdict):
     (PACKED_ROWS, "cut from a buffer 32 bytes wide (stride_n = 32), out[1, 0] (code 0x"),
 ])
 def test_decode_tile_mistakes(verdict, mistake, message):
-    out = verdict(check_decode_tile, WithMistake(decode_tile_kernel, mistake), message)
+    out = verdict(checks.check_decode_tile, WithMistake(decode_tile_kernel, mistake), message)
     if mistake == PACKED_ROWS:
         assert "row n of the tile starts at codes_ptr + n * stride_n, not n * DIM" in out
 
@@ -282,7 +275,7 @@ def dequant_tile_kernel(codes_ptr, table_ptr, scale_ptr, out_ptr, N: tl.constexp
 
 
 def test_dequant_tile_solution_passes(verdict):
-    verdict(check_dequant_tile, dequant_tile_kernel)
+    verdict(checks.check_dequant_tile, dequant_tile_kernel)
 
 
 @pytest.mark.parametrize("mistake,message", [
@@ -293,7 +286,7 @@ def test_dequant_tile_solution_passes(verdict):
     (COLUMN_SCALE, "the scales were spread along the columns (scale_ptr + d)"),
 ])
 def test_dequant_tile_mistakes(verdict, mistake, message):
-    out = verdict(check_dequant_tile, WithMistake(dequant_tile_kernel, mistake), message)
+    out = verdict(checks.check_dequant_tile, WithMistake(dequant_tile_kernel, mistake), message)
     if mistake == DIVIDED:
         assert "it divided by the scale: the cache stores x / scale" in out
     if mistake == ONE_SCALE:
@@ -353,7 +346,7 @@ def fp8_load(ptr, scales_ptr, static_ptr, table_ptr, block, row, kv_head, d, ok,
 
 
 def test_fp8_load_solution_passes(verdict):
-    verdict(check_fp8_load, fp8_load)
+    verdict(checks.check_fp8_load, fp8_load)
 
 
 needs_interpreter = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason=(
@@ -387,4 +380,4 @@ WRONG_KV_1 = "is wrong (wrong heads read KV heads [1]); "
     (HEAD0_CODES, f"query head 1 {WRONG_KV_1}every KV head read KV head 0's codes: add kv_head * stride_ph"),
 ])
 def test_fp8_load_mistakes(verdict, mistake, message):
-    verdict(check_fp8_load, functools.partial(fp8_load, MISTAKE=mistake), message)
+    verdict(checks.check_fp8_load, functools.partial(fp8_load, MISTAKE=mistake), message)

@@ -11,9 +11,8 @@ from radarlab.checks import (
     check_pack_nibbles,
     check_quantize_group,
     check_quantized_length,
-    reference_int4_bytes_per_token,
-    reference_quantize_group,
 )
+from radarlab.checks.nb07_int4 import reference_int4_bytes_per_token, reference_quantize_group
 from radarlab.quant import int4, kivi
 from radarlab.util import cdiv
 
