@@ -30,6 +30,7 @@ IMAGES = ROOT / "images"
 START_TIMEOUT_S = 120  # a cold JupyterLab start is ~10-30 s, longer on a loaded 2-core machine
 CELL_TIMEOUT_S = 180  # the imports cell loads torch and transformers: ~5-20 s, more when the machine is busy
 UI_TIMEOUT_MS = 30_000  # a page, a click, a widget's update
+NOT_STARTED_MS = 20_000  # how long a Shift+Enter may take to queue its cell ("[*]:")
 
 # Per notebook: the widget cell (found by the call it makes), names whose defining cells must run first,
 # the control to move, and the line of output text (a regex) that must change.
@@ -106,12 +107,22 @@ def lab(tmp_path_factory):
         server.stop()
 
 
-def run_cell(page, cell, timeout_s: float) -> None:
-    """Select the cell by its prompt (command mode), Shift+Enter, and wait for its execution count."""
+def run_cell(page, cell, timeout_s: float, tries: int = 3) -> None:
+    """Select the cell by its prompt (command mode), Shift+Enter, and wait for its execution count.
+
+    A Shift+Enter that lands while the notebook's kernel is still connecting moves the selection on but
+    runs nothing: the prompt stays "[ ]:" (a queued or running cell shows "[*]:"). Only then is the
+    key pressed again, so no cell runs twice."""
     prompt = cell.locator(".jp-InputPrompt").first
-    prompt.scroll_into_view_if_needed(timeout=UI_TIMEOUT_MS)
-    prompt.click(timeout=UI_TIMEOUT_MS)
-    page.keyboard.press("Shift+Enter")
+    for _ in range(tries):
+        prompt.scroll_into_view_if_needed(timeout=UI_TIMEOUT_MS)
+        prompt.click(timeout=UI_TIMEOUT_MS)
+        page.keyboard.press("Shift+Enter")
+        try:
+            expect(prompt).not_to_have_text(re.compile(r"^\s*\[ \]:?\s*$"), timeout=NOT_STARTED_MS)
+            break
+        except AssertionError:
+            continue
     expect(prompt).to_have_text(re.compile(r"\[\d+\]"), timeout=timeout_s * 1000)  # "[*]:" while running
     traceback = cell.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.error']")
     if traceback.count():
