@@ -41,7 +41,8 @@ def raised_not_written(err: BaseException) -> bool:
     it: the interpreter raises InterpreterError from it, and the compiler rejects the raise statement
     quoting its source. Triton's own NotImplementedErrors carry a message, so they do not count."""
     while err is not None:
-        if (isinstance(err, NotImplementedError) and not str(err)) or "raise NotImplementedError()" in str(err):
+        bare = isinstance(err, NotImplementedError) and not str(err)
+        if bare or "raise NotImplementedError()" in str(err):
             return True
         err = err.__cause__ or err.__context__
     return False
