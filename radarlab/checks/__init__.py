@@ -57,6 +57,7 @@ from radarlab.checks.nb09_draft_models import (
     reference_acceptance_counts,
     reference_first_costly_batch,
 )
+from radarlab.checks.nb10_capstone import check_parallel_footprint
 
 __all__ = [
     "call_learner",
@@ -102,4 +103,5 @@ __all__ = [
     "check_acceptance_counts",
     "reference_first_costly_batch",
     "check_first_costly_batch",
+    "check_parallel_footprint",
 ]

@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from radarlab.kvcache.model_config import load_model_config, stored_config, stored_config_names
 from radarlab.quant.formats import DEFAULT_GROUP_SIZE, KV_CACHE_DTYPES, kv_format
-from radarlab.util import require_int, require_number
+from radarlab.util import cdiv, require_int, require_number
 
 GB = 10**9  # decimal gigabyte
 GIB = 2**30  # binary gibibyte (what nvidia-smi and torch report)
@@ -284,6 +284,66 @@ def summary_line(r: dict) -> str:
         else:
             text += f" | weights ({r['weights_gb']:.2f} GB) exceed the GPU ({r['gpu_mem_gb']:.2f} GB)"
     return text
+
+
+def llama_parameters(config) -> int:
+    """Weights of a Llama-family model from its config (embedding, attention, gated MLP, norms, and the
+    LM head unless tied): what a GPU must hold before any KV block."""
+    get = config.get if isinstance(config, dict) else (lambda k, d=None: getattr(config, k, d))
+    hidden, inter, vocab = get("hidden_size"), get("intermediate_size"), get("vocab_size")
+    if None in (hidden, inter, vocab):
+        raise ValueError("config needs hidden_size, intermediate_size and vocab_size to count weights")
+    shape = shape_from_hf_config(config)
+    q = get("num_attention_heads") * shape.head_dim
+    kv = shape.kv_heads * shape.head_dim
+    layer = hidden * (2 * q + 2 * kv) + 3 * hidden * inter + 2 * hidden  # q, o, k, v; gate, up, down; norms
+    embed = vocab * hidden
+    return shape.layers * layer + hidden + embed * (1 if get("tie_word_embeddings", False) else 2)
+
+
+@dataclass(frozen=True)
+class ParallelFootprint:
+    """One GPU of a tensor- (tp) and pipeline-parallel (pp) deployment, the busiest one. Every GPU holds
+    its share of every stream's blocks, so streams counts the deployment's streams, not one GPU's."""
+
+    tp: int
+    pp: int
+    kv_heads_per_gpu: int
+    layers_per_gpu: int
+    kv_bytes_per_stream_per_gpu: int
+    weight_bytes_per_gpu: int
+    kv_budget_bytes_per_gpu: int  # usable memory minus weights; negative when the weights do not fit
+    streams: int
+
+    @property
+    def streams_per_gpu(self) -> float:
+        return self.streams / (self.tp * self.pp)
+
+
+def parallel_footprint(shape: KVModelShape, tokens: int, kv_dtype: str, tp: int, pp: int, weight_bytes: int,
+                       gpu_bytes: int, gpu_memory_utilization: float = 0.9,
+                       embedding_bytes: int = 0) -> ParallelFootprint:
+    """vLLM's split: tensor parallelism gives each GPU kv_heads // tp KV heads of every layer (at least
+    one: replicated when tp exceeds them, ModelConfig.get_num_kv_heads), pipeline parallelism each GPU
+    a stage of about layers / pp layers (the largest stage counts: vllm.distributed.utils.get_pp_indices).
+    Weights split the same way; the embedding and LM head (embedding_bytes of weight_bytes) sit on the
+    first and last stage, split by tp. Every GPU keeps the same number of blocks (the smallest any rank
+    affords, vllm/v1/core/kv_cache_utils.py), so the busiest GPU decides how many streams fit."""
+    tp, pp = require_int("tp", tp), require_int("pp", pp)
+    if shape.kv_heads % tp and tp % shape.kv_heads:
+        raise ValueError(f"tp={tp} must divide the {shape.kv_heads} KV heads or be a multiple of them")
+    if pp > shape.layers:
+        raise ValueError(f"pp={pp} exceeds the model's {shape.layers} layers")
+    require_number("gpu_memory_utilization", gpu_memory_utilization, positive=True)
+    if gpu_memory_utilization > 1:
+        raise ValueError(f"gpu_memory_utilization is a fraction of the GPU, got {gpu_memory_utilization}")
+    heads, layers = max(1, shape.kv_heads // tp), cdiv(shape.layers, pp)
+    kv = kv_footprint(layers, heads, shape.head_dim, tokens, kv_dtype).bytes_per_stream
+    body = require_int("weight_bytes", weight_bytes, 0) - require_int("embedding_bytes", embedding_bytes, 0)
+    ends = embedding_bytes if pp == 1 else embedding_bytes / 2  # embedding on stage 0, LM head on the last
+    weights = int((body * layers / shape.layers + ends) / tp)
+    budget = int(require_int("gpu_bytes", gpu_bytes) * gpu_memory_utilization) - weights
+    return ParallelFootprint(tp, pp, heads, layers, kv, weights, budget, max(budget, 0) // kv)
 
 
 _FLAGS = {name: "--" + name.replace("_", "-") for name in

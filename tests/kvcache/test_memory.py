@@ -239,3 +239,54 @@ def test_cli_takes_any_format_name(capsys):
     assert code == 0 and "bytes per token:  5,760 payload + 720 scales/zero points = 6,480" in stdout
     code, _, stderr = _cli("--kv-dtype", "fp4", capsys=capsys)
     assert code == 2 and "--kv-dtype must be one of auto" in stderr
+
+
+# --- past one machine: weights, and one GPU's share under tensor and pipeline parallelism ----------
+
+def test_llama_parameters_of_published_configs():
+    from radarlab.kvcache.memory import llama_parameters
+    from radarlab.kvcache.model_config import stored_config
+
+    # Meta's model cards: 70.6 B and 8.03 B; SmolLM2-135M ties its embedding (134.5 M)
+    assert llama_parameters(stored_config("llama-3.1-70b")) == 70_553_706_496
+    assert round(llama_parameters(stored_config("llama-3.1-8b")) / 1e9, 2) == 8.03
+    assert round(llama_parameters(stored_config("smollm2-135m")) / 1e6, 1) == 134.5
+    with pytest.raises(ValueError, match="intermediate_size"):
+        llama_parameters({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8, "vocab_size": 4})
+
+
+def test_parallel_footprint_follows_vllms_split():
+    from radarlab.kvcache.memory import KVModelShape, kv_footprint, parallel_footprint
+
+    shape = KVModelShape(80, 8, 128)
+    one = kv_footprint(80, 8, 128, 32768, "fp16").bytes_per_stream
+    assert one == 10_737_418_240  # the article's 10.74 GB
+    for tp in (1, 2, 4, 8):
+        f = parallel_footprint(shape, 32768, "fp16", tp, 1, 0, 80 * 10**9, 1.0)
+        assert f.kv_heads_per_gpu == 8 // tp and f.kv_bytes_per_stream_per_gpu == one // tp
+        assert f.streams == 80 * 10**9 // (one // tp)
+    wide = parallel_footprint(shape, 32768, "fp16", 16, 1, 0, 80 * 10**9)
+    assert wide.kv_heads_per_gpu == 1 and wide.kv_bytes_per_stream_per_gpu == one // 8  # replicated heads
+    staged = parallel_footprint(shape, 32768, "fp16", 1, 3, 0, 80 * 10**9)
+    assert staged.layers_per_gpu == 27  # 27 + 27 + 26: the largest stage counts
+    full = parallel_footprint(shape, 32768, "fp16", 1, 1, 141 * 10**9, 80 * 10**9)
+    assert full.kv_budget_bytes_per_gpu < 0 and full.streams == 0
+    split = parallel_footprint(shape, 32768, "fp16", 4, 2, 8 * 10**9, 80 * 10**9, 0.9, 2 * 10**9)
+    assert split.weight_bytes_per_gpu == int((6 * 10**9 / 2 + 10**9) / 4)
+    assert split.streams_per_gpu == split.streams / 8
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"tp": 3}, "tp=3 must divide the 8 KV heads"),
+    ({"pp": 81}, "pp=81 exceeds"),
+    ({"tp": 0}, "tp"),
+    ({"gpu_memory_utilization": 1.5}, "fraction"),
+    ({"weight_bytes": -1}, "weight_bytes"),
+])
+def test_parallel_footprint_rejects_bad_splits(kwargs, message):
+    from radarlab.kvcache.memory import KVModelShape, parallel_footprint
+
+    args = {"tp": 2, "pp": 1, "weight_bytes": 0, "gpu_memory_utilization": 0.9} | kwargs
+    with pytest.raises(ValueError, match=message):
+        parallel_footprint(KVModelShape(80, 8, 128), 32768, "fp16", args["tp"], args["pp"], args["weight_bytes"],
+                           80 * 10**9, args["gpu_memory_utilization"])
