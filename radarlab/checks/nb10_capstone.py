@@ -12,13 +12,16 @@ FIELDS = ("kv_heads_per_gpu", "layers_per_gpu", "kv_bytes_per_stream_per_gpu", "
 HINTS = {
     "kv_heads_per_gpu": "tensor parallelism splits the KV heads, kv_heads // tp, and never below one: with "
                         "more GPUs than KV heads, vLLM replicates a head on several GPUs",
-    "layers_per_gpu": "pipeline parallelism splits the layers, and the largest stage counts: cdiv(layers, pp)",
-    "kv_bytes_per_stream_per_gpu": "one GPU's KV of a stream: its layers x its KV heads, at the stream's tokens",
-    "weight_bytes_per_gpu": "the weights split across tp x pp GPUs; the embedding and LM head sit on the first "
-                            "and last stage, split by tp",
-    "kv_budget_bytes_per_gpu": "usable memory is gpu_bytes x gpu_memory_utilization, minus this GPU's weights",
-    "streams": "every GPU holds its share of every stream: the streams of the deployment are one GPU's budget "
-               "over one GPU's share of a stream (0 when the weights do not fit)",
+    "layers_per_gpu": "pipeline parallelism splits the layers, and the largest stage counts: "
+                      "cdiv(layers, pp)",
+    "kv_bytes_per_stream_per_gpu": "one GPU's KV of a stream: its layers x its KV heads, at the "
+                                   "stream's tokens",
+    "weight_bytes_per_gpu": "the weights split across tp x pp GPUs; the embedding and LM head sit on "
+                            "the first and last stage, split by tp",
+    "kv_budget_bytes_per_gpu": "usable memory is gpu_bytes x gpu_memory_utilization, minus this GPU's "
+                               "weights",
+    "streams": "every GPU holds its share of every stream: the streams of the deployment are one GPU's "
+               "budget over one GPU's share of a stream (0 when the weights do not fit)",
 }
 
 
@@ -30,28 +33,31 @@ def check_parallel_footprint(parallel_footprint) -> bool:
 
     shape70 = memory.KVModelShape(80, 8, 128)
     w70, e70 = 141_107_412_992, 4_202_692_608  # Llama-3.1-70B in 16-bit, and its embedding + LM head
+    gb80 = 80 * 10**9
     cases = [  # (description, shape, tokens, kv_dtype, tp, pp, weights, embedding, gpu bytes, utilization)
-        ("the 70B model on 4 GPUs of 80 GB, tp=4, FP16, 32,768 tokens", shape70, 32768, "fp16", 4, 1, w70, e70,
-         80 * 10**9, 0.9),
-        ("the 70B model on 8 GPUs of 80 GB, tp=8, FP8", shape70, 32768, "fp8", 8, 1, w70, e70, 80 * 10**9, 0.9),
-        ("the 70B model on 16 GPUs of 80 GB, tp=16 (more GPUs than its 8 KV heads)", shape70, 32768, "fp16", 16,
-         1, w70, e70, 80 * 10**9, 0.9),
-        ("the 70B model on 2 x 3 GPUs of 80 GB, tp=2, pp=3 (80 layers in 3 stages)", shape70, 32768, "fp16", 2,
-         3, w70, e70, 80 * 10**9, 0.9),
-        ("the 70B model on one 80 GB GPU (the weights do not fit)", shape70, 32768, "fp16", 1, 1, w70, e70,
-         80 * 10**9, 0.9),
-        ("the 70B model on 8 GPUs of 80 GB, tp=8, utilization 0.5", shape70, 32768, "fp16", 8, 1, w70, e70,
-         80 * 10**9, 0.5),
+        ("the 70B model on 4 GPUs of 80 GB, tp=4, FP16, 32,768 tokens",
+         shape70, 32768, "fp16", 4, 1, w70, e70, gb80, 0.9),
+        ("the 70B model on 8 GPUs of 80 GB, tp=8, FP8",
+         shape70, 32768, "fp8", 8, 1, w70, e70, gb80, 0.9),
+        ("the 70B model on 16 GPUs of 80 GB, tp=16 (more GPUs than its 8 KV heads)",
+         shape70, 32768, "fp16", 16, 1, w70, e70, gb80, 0.9),
+        ("the 70B model on 2 x 3 GPUs of 80 GB, tp=2, pp=3 (80 layers in 3 stages)",
+         shape70, 32768, "fp16", 2, 3, w70, e70, gb80, 0.9),
+        ("the 70B model on one 80 GB GPU (the weights do not fit)",
+         shape70, 32768, "fp16", 1, 1, w70, e70, gb80, 0.9),
+        ("the 70B model on 8 GPUs of 80 GB, tp=8, utilization 0.5",
+         shape70, 32768, "fp16", 8, 1, w70, e70, gb80, 0.5),
     ]
     for description, shape, tokens, kv_dtype, tp, pp, weights, embedding, gpu, util in cases:
-        want = memory.parallel_footprint(shape, tokens, kv_dtype, tp, pp, weights, gpu, util, embedding)
-        got, problem = call_learner(lambda: parallel_footprint(shape, tokens, kv_dtype, tp, pp, weights, gpu, util,
-                                                               embedding), description)
+        args = (shape, tokens, kv_dtype, tp, pp, weights, gpu, util, embedding)
+        want = memory.parallel_footprint(*args)
+        got, problem = call_learner(lambda: parallel_footprint(*args), description)
         if problem:
             return verdict("parallel_footprint", problem)
         if not isinstance(got, memory.ParallelFootprint):
-            return verdict("parallel_footprint", f"for {description} it returned a {type(got).__name__}, not a "
-                                                 "ParallelFootprint")
+            kind = type(got).__name__
+            return verdict("parallel_footprint",
+                           f"for {description} it returned a {kind}, not a ParallelFootprint")
         for name in FIELDS:
             g, w = getattr(got, name), getattr(want, name)
             if g != w:

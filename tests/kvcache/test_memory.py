@@ -252,7 +252,8 @@ def test_llama_parameters_of_published_configs():
     assert round(llama_parameters(stored_config("llama-3.1-8b")) / 1e9, 2) == 8.03
     assert round(llama_parameters(stored_config("smollm2-135m")) / 1e6, 1) == 134.5
     with pytest.raises(ValueError, match="intermediate_size"):
-        llama_parameters({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8, "vocab_size": 4})
+        llama_parameters({"num_hidden_layers": 2, "num_attention_heads": 2, "hidden_size": 8,
+                          "vocab_size": 4})
 
 
 def test_parallel_footprint_follows_vllms_split():
@@ -288,5 +289,5 @@ def test_parallel_footprint_rejects_bad_splits(kwargs, message):
 
     args = {"tp": 2, "pp": 1, "weight_bytes": 0, "gpu_memory_utilization": 0.9} | kwargs
     with pytest.raises(ValueError, match=message):
-        parallel_footprint(KVModelShape(80, 8, 128), 32768, "fp16", args["tp"], args["pp"], args["weight_bytes"],
-                           80 * 10**9, args["gpu_memory_utilization"])
+        parallel_footprint(KVModelShape(80, 8, 128), 32768, "fp16", args["tp"], args["pp"],
+                           args["weight_bytes"], 80 * 10**9, args["gpu_memory_utilization"])
