@@ -28,27 +28,23 @@ HINTS = {
 def check_parallel_footprint(parallel_footprint) -> bool:
     """Check a learner's parallel_footprint(shape, tokens, kv_dtype, tp, pp, weight_bytes, gpu_bytes,
     gpu_memory_utilization, embedding_bytes) against radarlab.kvcache.memory.parallel_footprint, on the
-    article's 70B model and on shapes where heads replicate and stages are uneven."""
+    article's 70B model (its stored config), where heads replicate and stages are uneven."""
     from radarlab.kvcache import memory
+    from radarlab.kvcache.model_config import stored_config
 
-    shape70 = memory.KVModelShape(80, 8, 128)
-    w70, e70 = 141_107_412_992, 4_202_692_608  # Llama-3.1-70B in 16-bit, and its embedding + LM head
-    gb80 = 80 * 10**9
-    cases = [  # (description, shape, tokens, kv_dtype, tp, pp, weights, embedding, gpu bytes, utilization)
-        ("the 70B model on 4 GPUs of 80 GB, tp=4, FP16, 32,768 tokens",
-         shape70, 32768, "fp16", 4, 1, w70, e70, gb80, 0.9),
-        ("the 70B model on 8 GPUs of 80 GB, tp=8, FP8",
-         shape70, 32768, "fp8", 8, 1, w70, e70, gb80, 0.9),
-        ("the 70B model on 16 GPUs of 80 GB, tp=16 (more GPUs than its 8 KV heads)",
-         shape70, 32768, "fp16", 16, 1, w70, e70, gb80, 0.9),
-        ("the 70B model on 2 x 3 GPUs of 80 GB, tp=2, pp=3 (80 layers in 3 stages)",
-         shape70, 32768, "fp16", 2, 3, w70, e70, gb80, 0.9),
-        ("the 70B model on one 80 GB GPU (the weights do not fit)",
-         shape70, 32768, "fp16", 1, 1, w70, e70, gb80, 0.9),
-        ("the 70B model on 8 GPUs of 80 GB, tp=8, utilization 0.5",
-         shape70, 32768, "fp16", 8, 1, w70, e70, gb80, 0.5),
+    config = stored_config("llama-3.1-70b")
+    shape, tokens, gpu = memory.shape_from_hf_config(config), 32768, 80 * 10**9
+    weights = 2 * memory.llama_parameters(config)  # 16-bit
+    embedding = 2 * 2 * config["vocab_size"] * config["hidden_size"]  # embedding and LM head, 16-bit
+    cases = [  # (description, kv_dtype, tp, pp, utilization), all on GPUs of 80 GB at 32,768 tokens
+        ("the 70B model on 4 GPUs of 80 GB, tp=4, FP16, 32,768 tokens", "fp16", 4, 1, 0.9),
+        ("the 70B model on 8 GPUs of 80 GB, tp=8, FP8", "fp8", 8, 1, 0.9),
+        ("the 70B model on 16 GPUs of 80 GB, tp=16 (more GPUs than its 8 KV heads)", "fp16", 16, 1, 0.9),
+        ("the 70B model on 2 x 3 GPUs of 80 GB, tp=2, pp=3 (80 layers in 3 stages)", "fp16", 2, 3, 0.9),
+        ("the 70B model on one 80 GB GPU (the weights do not fit)", "fp16", 1, 1, 0.9),
+        ("the 70B model on 8 GPUs of 80 GB, tp=8, utilization 0.5", "fp16", 8, 1, 0.5),
     ]
-    for description, shape, tokens, kv_dtype, tp, pp, weights, embedding, gpu, util in cases:
+    for description, kv_dtype, tp, pp, util in cases:
         args = (shape, tokens, kv_dtype, tp, pp, weights, gpu, util, embedding)
         want = memory.parallel_footprint(*args)
         got, problem = call_learner(lambda: parallel_footprint(*args), description)
