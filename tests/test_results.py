@@ -181,8 +181,21 @@ def check_spec(r: Reader, doc: dict, kind: str, goal_run: bool = False) -> None:
     env = r.get(doc, (), "environment", dict)
     check_environment(r, env, ("environment",), kind)
     r.get(env, ("environment",), "torch_threads", int)
+    systems = r.get(par, ("parameters",), "systems", list)
+    unknown = sorted(set(systems) - set(speculation.SYSTEMS))
+    r.check(not unknown, ("parameters", "systems"), f"names unknown systems {unknown}")
+    migrated = r.get(doc, (), "migrated", str, optional=True)
+    for system, eager in speculation.VLLM_EAGER.items():
+        if system in systems:  # bench.report.vllm_modes reads these
+            where = ("environment",)
+            r.get(env, where, f"{system}_vllm_version", str)
+            r.get(env, where, f"{system}_init_s", (*NUM, dict))
+            # runs kept before the bench ran vLLM's default mode recorded no compilation (and say so)
+            comp = r.get(env, where, f"{system}_compilation", dict, optional=migrated is not None)
+            r.check(comp is None or comp.get("enforce_eager") is eager, (*where, f"{system}_compilation"),
+                    f"must say enforce_eager {eager}: that is what {system} means")
     for p, row in r.rows(doc, (), "results"):
-        r.one_of(row, p, "system", speculation.SYSTEMS)
+        r.one_of(row, p, "system", tuple(systems))
         r.one_of(row, p, "method", speculation.METHODS)
         r.one_of(row, p, "workload", speculation.WORKLOADS)
         b = r.get(row, p, "batch_size", int)
@@ -195,10 +208,14 @@ def check_spec(r: Reader, doc: dict, kind: str, goal_run: bool = False) -> None:
         r.get(row, p, "batch_size", int)
         r.get(row, p, "speedup", NUM)
     goal = r.get(doc, (), "goal", dict)
-    kept = (NUM, bool) if goal_run else ((*NUM, type(None)), (bool, type(None)))
-    r.get(goal, ("goal",), "radarlab_speedup", kept[0])
-    r.get(goal, ("goal",), "vllm_speedup", kept[0])
-    r.get(goal, ("goal",), "met", kept[1])
+    maybe = (*NUM, type(None))
+    r.get(goal, ("goal",), "radarlab_speedup", NUM if goal_run else maybe)
+    theirs = [r.get(goal, ("goal",), key, maybe) for key in ("vllm_speedup", "vllm_eager_speedup")]
+    r.check(not goal_run or any(x is not None for x in theirs), ("goal",),
+            "a goal run has vLLM's speedup in its default or its eager mode")
+    met = r.get(goal, ("goal",), "met", (bool, type(None)))
+    r.check(met is not None or theirs[0] is None or not goal_run, ("goal", "met"),
+            "must be true or false where vLLM's default mode ran")
 
 
 def check_latency(r: Reader, doc: dict) -> None:

@@ -8,6 +8,10 @@ from pathlib import Path
 
 from radarlab.util import require_int
 
+# The two ways a benchmark runs vLLM, by system name, and each one's enforce_eager: `vllm` as users run
+# it (default mode: the model compiled by torch.compile), `vllm_eager` with compilation off.
+VLLM_EAGER = {"vllm": False, "vllm_eager": True}
+
 
 def write_json(path: str | Path, payload: dict) -> Path:
     """Write payload as indented JSON, creating the parent folder."""
@@ -131,3 +135,26 @@ def choose_kept_run(prefix: str, kind: str, what: str, how: str, folder: str | P
         f"This CPU is of kind {kind!r}, and results/ keeps no {what} run from that kind: the run shown, "
         f"{path.name}, is from a CPU of kind {other!r}. Only its ratios compare with "
         f"this machine; its absolute figures belong to that CPU. {how}")
+
+
+def vllm_modes(doc: dict) -> list[str]:
+    """How each vLLM system of a benchmark's run ran: compiled, with its start-up (which holds the
+    compilation, excluded from tokens/s; by method where each method had its own engine), or eager.
+    A run without a recorded compilation ran eager: the benchmarks recorded it when they began to
+    run vLLM's default mode."""
+    env, lines = doc["environment"], []
+    for system in VLLM_EAGER:
+        if not any(r["system"] == system for r in doc["results"]):
+            continue
+        comp = env.get(f"{system}_compilation") or {"enforce_eager": True}
+        start = env.get(f"{system}_init_s")
+        if isinstance(start, dict):
+            start_up = ", start-up " + ", ".join(f"{name} {s:.0f} s" for name, s in start.items())
+        else:
+            start_up = "" if start is None else f", start-up {start:.0f} s"
+        if comp["enforce_eager"]:
+            lines.append(f"{system}: eager (enforce_eager=True){start_up}")
+        else:
+            lines.append(f"{system}: compiled (mode {comp.get('mode')}, backend {comp.get('backend')})"
+                         f"{start_up}, not counted in tokens/s")
+    return lines

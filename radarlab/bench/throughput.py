@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from radarlab.bench.report import (
+    VLLM_EAGER,
     add_batching_arguments,
     add_sweep_arguments,
     choose_kept_run,
@@ -40,12 +41,12 @@ from radarlab.bench.report import (
     comma_names,
     require_sweep,
     results_dir,
+    vllm_modes,
 )
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
 
 SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm", "vllm_eager")
-VLLM_EAGER = {"vllm": False, "vllm_eager": True}  # each vLLM system and its enforce_eager
 DTYPES = ("bfloat16", "float32")
 
 GOAL = ("radarlab >= 1.0x transformers and >= 1.0x vLLM in its default (compiled) mode at every batch size, "
@@ -81,20 +82,8 @@ def format_run_header(path: Path, doc: dict) -> str:
 
 
 def format_vllm_modes(doc: dict) -> str:
-    """How each vLLM system of a run ran: compiled (with its start-up, which holds the compilation:
-    the difference from the eager start-up in the same run is what compiling cost) or eager. Runs kept
-    before the default-mode anchor have vllm_eager only."""
-    env, parts = doc["environment"], []
-    ran = [s for s in VLLM_EAGER if any(r["system"] == s for r in doc["results"])]
-    for system in ran:
-        comp = env.get(f"{system}_compilation") or {"enforce_eager": VLLM_EAGER[system]}
-        start = env.get(f"{system}_init_s")
-        start_up = "" if start is None else f", start-up {start:.0f} s"
-        if comp["enforce_eager"]:
-            parts.append(f"{system}: eager (enforce_eager=True){start_up}")
-        else:
-            parts.append(f"{system}: compiled (mode {comp.get('mode')}, backend {comp.get('backend')})"
-                         f"{start_up}, not counted in tokens/s")
+    """How each vLLM system of a run ran (radarlab.bench.report.vllm_modes), for the run's header line."""
+    parts = vllm_modes(doc)
     return "; " + "; ".join(parts) if parts else ""
 
 

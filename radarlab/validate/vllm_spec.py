@@ -109,18 +109,27 @@ def counters_agree(ours: SpecRun, vllm: SpecRun) -> bool:
             and vllm.num_accepted_tokens - ours.num_accepted_tokens == sum(extra_pos))
 
 
+WARMUP_TOKENS = 8  # new tokens of each warm-up batch: enough for prefill, decode and verify steps
+
+
 def run_vllm_spec(prompt_sets: list[list[list[int]]], max_tokens: int, speculative_config: dict | None,
-                  model: str | None = None, warmup: bool = True, max_num_seqs: int | None = None
-                  ) -> tuple[list[SpecRun], dict]:
-    """One vLLM process: (a two-prompt warm-up batch, then) one generate() per prompt set, fp32,
-    greedy, EOS ignored, prefix caching off. Returns a SpecRun per set and facts about vLLM."""
+                  model: str | None = None, warmup: bool = True, max_num_seqs: int | None = None,
+                  enforce_eager: bool = True) -> tuple[list[SpecRun], dict]:
+    """One vLLM process: (a short warm-up batch of each distinct batch size, then) one generate() per
+    prompt set, fp32, greedy, EOS ignored, prefix caching off. Returns a SpecRun per set and facts
+    about vLLM. enforce_eager=False runs vLLM's default mode, the model compiled by torch.compile: the
+    warm-up then also compiles whatever a batch size needs before the timed sets (the validation
+    checks run eager, which starts in seconds; the benchmark runs both)."""
     from radarlab.validate.vllm import run_vllm
 
-    batches = ([prompt_sets[0][:2]] if warmup else []) + prompt_sets
+    warm = list({len(p): p for p in prompt_sets}.values()) if warmup else []
+    batches = warm + prompt_sets
     request = {"kind": "generate", "batches": batches, "dtype": "float32", "max_tokens": max_tokens,
+               "batch_max_tokens": [min(WARMUP_TOKENS, max_tokens)] * len(warm)
+               + [max_tokens] * len(prompt_sets),
                "logprobs": 0, "temperature": 0.0, "ignore_eos": True, "enable_prefix_caching": False,
                "speculative_config": vllm_speculative_config(speculative_config, model),
-               "max_num_seqs": max_num_seqs or max(len(p) for p in batches)}
+               "max_num_seqs": max_num_seqs or max(len(p) for p in batches), "enforce_eager": enforce_eager}
     if model is not None:
         request["model"] = model
     response = run_vllm(request)
@@ -132,8 +141,8 @@ def run_vllm_spec(prompt_sets: list[list[list[int]]], max_tokens: int, speculati
         runs.append(run)
         start, before = start + len(prompts), batch["metrics"]
     info = {"vllm_version": response["vllm_version"], "device": response["device"],
-            "init_s": response["init_s"]}
-    return runs[1:] if warmup else runs, info
+            "init_s": response["init_s"], "compilation": response["compilation"]}
+    return runs[len(warm):], info
 
 
 def run_radarlab_spec(model, prompts: list[list[int]], max_tokens: int, speculative_config: dict | None,

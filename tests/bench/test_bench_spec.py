@@ -7,6 +7,7 @@ import json
 import pytest
 
 from radarlab.bench.__main__ import main as bench_main
+from radarlab.bench.report import vllm_modes
 from radarlab.bench.speculation import (
     SpecBenchConfig,
     fastest,
@@ -14,6 +15,7 @@ from radarlab.bench.speculation import (
     goal,
     result_row,
     speedups,
+    vllm_environment,
     workload_prompts,
 )
 from radarlab.lab.workload import copy_prompts, free_prompts, source_functions
@@ -103,12 +105,39 @@ def test_speedups_and_goal():
             row("vllm", "ngram", "free", 1, 9.0)]  # no plain free row: no speedup
     ups = speedups(rows)
     assert [(u["system"], u["speedup"]) for u in ups] == [("radarlab", 2.5), ("vllm", 2.0)]
-    assert goal(ups) == {"goal": goal(ups)["goal"], "radarlab_speedup": 2.5, "vllm_speedup": 2.0, "met": True}
+    assert goal(ups) == {"goal": goal(ups)["goal"], "radarlab_speedup": 2.5, "vllm_speedup": 2.0,
+                         "vllm_eager_speedup": None, "met": True}
     rows[1]["tokens_per_s"] = 15.0
     assert goal(speedups(rows))["met"] is False
     assert goal(speedups(rows[:2]))["met"] is None  # vLLM not run
+    # vLLM eager alone is not the goal's anchor: its speedup is kept, the goal stays unmeasured
+    eager = [dict(r, system="vllm_eager") if r["system"] == "vllm" else r for r in rows]
+    g = goal(speedups(eager))
+    assert g["vllm_eager_speedup"] == 2.0 and g["vllm_speedup"] is None and g["met"] is None
     table = format_table({"results": rows, "speedups": ups})
     assert "2.50x" in table and "radarlab ngram copy" in table
+
+
+def test_each_vllm_system_records_its_mode_and_each_methods_start_up():
+    compiled = {"enforce_eager": False, "mode": "DYNAMO_TRACE_ONCE", "backend": "inductor"}
+    eager = {"enforce_eager": True, "mode": "NONE", "backend": "inductor"}
+    facts = {"vllm_version": "0.32.0", "device": "cpu"}
+    info = {"vllm_none": {**facts, "init_s": 151.2, "compilation": compiled},
+            "vllm_ngram": {**facts, "init_s": 40.4, "compilation": compiled},
+            "vllm_eager_none": {**facts, "init_s": 7.9, "compilation": eager}, "outputs": {}}
+    env = vllm_environment(info, ("none", "ngram"))
+    assert env == {"vllm_vllm_version": "0.32.0", "vllm_device": "cpu", "vllm_compilation": compiled,
+                   "vllm_init_s": {"none": 151.2, "ngram": 40.4},
+                   "vllm_eager_vllm_version": "0.32.0", "vllm_eager_device": "cpu",
+                   "vllm_eager_compilation": eager, "vllm_eager_init_s": {"none": 7.9}}
+    rows = [row("vllm", "none", "copy", 1, 20.0), row("vllm_eager", "none", "copy", 1, 15.0)]
+    assert vllm_modes({"results": rows, "environment": env}) == [
+        "vllm: compiled (mode DYNAMO_TRACE_ONCE, backend inductor), start-up none 151 s, ngram 40 s, "
+        "not counted in tokens/s",
+        "vllm_eager: eager (enforce_eager=True), start-up none 8 s"]
+    # a kept run from before the default mode: eager, whatever its rows are called
+    assert vllm_modes({"results": rows[1:], "environment": {"vllm_eager_init_s": 4.1}}) == [
+        "vllm_eager: eager (enforce_eager=True), start-up 4 s"]
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -161,23 +190,52 @@ def test_tiny_run_radarlab(tmp_path):
     _check_doc(json.loads(path.read_text()), {"radarlab"}, [1, 2])
 
 
+@pytest.mark.slow  # loads the course model for the prompts
+def test_each_vllm_system_runs_in_its_own_mode(monkeypatch):
+    """`vllm` is vLLM's default (compiled) mode, `vllm_eager` enforce_eager=True: one process per
+    system and method, each asked for its mode (the compiled run itself is the benchmark's: its
+    start-up, minutes on a small CPU, stays out of make test)."""
+    import radarlab.bench.speculation as spec
+
+    calls = []
+
+    def fake_vllm_spec(prompt_sets, max_tokens, speculative_config, enforce_eager):
+        calls.append((speculative_config is None, enforce_eager))
+        comp = {"enforce_eager": enforce_eager, "mode": "NONE" if enforce_eager else "DYNAMO_TRACE_ONCE"}
+        runs = [SpecRun([[7] * max_tokens for _ in p], 0.5) for p in prompt_sets]
+        return runs, {"vllm_version": "0.32.0", "device": "cpu", "init_s": 1.0, "compilation": comp}
+
+    monkeypatch.setattr(spec, "run_vllm_spec", fake_vllm_spec)
+    config = SpecBenchConfig(batch_sizes=(1, 2), workloads=("copy",), methods=("none", "ngram"),
+                             systems=("vllm", "vllm_eager"), max_tokens=3, repeats=2)
+    results, info = spec.run(config, log=lambda *_: None)
+    assert calls == [(True, False), (True, True), (False, False), (False, True)]
+    assert {(r["system"], r["method"], r["batch_size"], r["repeats"]) for r in results} == {
+        (s, m, b, 2) for s in ("vllm", "vllm_eager") for m in ("none", "ngram") for b in (1, 2)}
+    env = vllm_environment(info, config.methods)
+    assert env["vllm_compilation"]["enforce_eager"] is False
+    assert env["vllm_eager_compilation"]["enforce_eager"] is True
+
+
 @pytest.mark.vllm
 def test_tiny_run_with_vllm(tmp_path):
     path = tmp_path / "spec.json"
-    assert bench_main(["spec", "--methods", "none,ngram", "--batch-sizes", "1", "--max-tokens", "12",
-                       "--json", str(path)]) == 0
+    assert bench_main(["spec", "--systems", "radarlab,vllm_eager", "--methods", "none,ngram",
+                       "--batch-sizes", "1", "--max-tokens", "12", "--json", str(path)]) == 0
     doc = json.loads(path.read_text())
-    _check_doc(doc, {"radarlab", "vllm"}, [1])
-    assert doc["goal"]["radarlab_speedup"] is not None and doc["goal"]["vllm_speedup"] is not None
+    _check_doc(doc, {"radarlab", "vllm_eager"}, [1])
+    assert doc["goal"]["radarlab_speedup"] is not None and doc["goal"]["vllm_eager_speedup"] is not None
+    assert doc["environment"]["vllm_eager_compilation"]["enforce_eager"] is True
+    assert set(doc["environment"]["vllm_eager_init_s"]) == {"none", "ngram"}
     # n-gram drafts are a function of the tokens: where outputs agree, so do the counters
     by = {(r["system"], r["method"], r["workload"]): r for r in doc["results"]}
     for w in ("copy", "free"):
-        same = [e for e in doc["outputs_equal"] if e["system"] == "vllm" and e["method"] == "ngram"
+        same = [e for e in doc["outputs_equal"] if e["system"] == "vllm_eager" and e["method"] == "ngram"
                 and e["workload"] == w]
         if same and same[0]["equal_to_radarlab_plain"] == 1.0:
             ours, theirs = (SpecRun([[0]] * r["batch_size"], 1.0,
                                     **{k: r[k] for k in SpecRun([], 1.0).counters()})
-                            for r in (by[("radarlab", "ngram", w)], by[("vllm", "ngram", w)]))
+                            for r in (by[("radarlab", "ngram", w)], by[("vllm_eager", "ngram", w)]))
             assert counters_agree(ours, theirs), (ours.counters(), theirs.counters())
 
 
