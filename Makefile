@@ -54,14 +54,10 @@ lint: setup
 
 # The linter first, then the unit tests, the vLLM comparisons, the browser tests (the widgets in JupyterLab,
 # the course site) and every notebook (nbval, lax mode), in one pytest run; the 25 slowest steps are
-# listed at the end, to see where the time goes. The run is spread over TEST_WORKERS processes
-# (pytest-xdist), whole files at a time (--dist loadfile): a notebook's cells share one kernel and run in
-# order, a module's fixtures are built once. The notebooks run torch on one thread, so two workers keep
-# both cores of a small machine busy; TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
+# listed at the end, to see where the time goes.
 test: setup lint model vllm chromium
 	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax --durations=25 \
-		-n $(TEST_WORKERS) --dist loadfile --ignore=notebooks/exercises tests notebooks
+		--ignore=notebooks/exercises tests notebooks
 
 # Quick loop while developing (a few minutes): the linter, then the tests that are not `slow` (the course
 # model, the end-to-end CLIs), with no vLLM and no notebooks.
