@@ -1,12 +1,29 @@
-"""Shared fixtures: the course model loaded once per test session."""
+"""Shared fixtures: the course model loaded once per test session; the learner copies' runs."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import radarlab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
+from radarlab.exercises import course_notebooks
+
+from copy_runs import CopyRuns
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def pytest_configure(config):
+    """The learner copies run as a plugin: it sees the notebooks' items too, to start beside them."""
+    config.pluginmanager.register(CopyRuns(course_notebooks(ROOT / "notebooks" / "exercises")), "copy_runs")
+
+
+@pytest.fixture(scope="session")
+def copy_runs(pytestconfig) -> CopyRuns:
+    """The learner copies' runs (tests/copy_runs.py): `.result(path)` waits for one copy."""
+    return pytestconfig.pluginmanager.get_plugin("copy_runs")
 
 
 @pytest.fixture(scope="session")

@@ -5,15 +5,12 @@ checker says FAIL in a friendly line (not a traceback), and each `learner_or_ref
 the cells below use radarlab's reference. The committed notebooks (every exercise written, as the
 reference) run under nbval in `make test`; test_exercises.py checks that the copies are fresh.
 
-The copies take as long as the notebooks (minutes in all), hence `slow`. Most notebooks run torch on
-one thread, so the copies run two at a time, each in its own nbconvert process and kernel.
+The copies take as long as the notebooks (minutes in all), hence `slow`. They run beside nbval's run of
+the notebooks, on the core it leaves idle (tests/copy_runs.py), and these tests come last.
 """
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -23,9 +20,6 @@ from radarlab.exercises import checker_cells, course_notebooks
 
 ROOT = Path(__file__).resolve().parents[1]
 COPIES = course_notebooks(ROOT / "notebooks" / "exercises")
-CELL_TIMEOUT_S = 600
-NOTEBOOK_TIMEOUT_S = 900
-AT_ONCE = 2
 STUB = "raise NotImplementedError()"
 FALLBACK = re.compile(r"^\s*(\w+)\s*=\s*learner_or_reference\(", re.M)
 
@@ -40,40 +34,17 @@ def _text(cell) -> str:
     return "".join(parts)
 
 
-def _execute(path: Path, out_dir: Path) -> tuple[Path | None, str]:
-    """Run one copy top to bottom in a fresh kernel: (the executed notebook, "") or (None, what failed)."""
-    out = out_dir / path.name
-    cmd = [sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute", f"--output={out}",
-           f"--ExecutePreprocessor.timeout={CELL_TIMEOUT_S}", str(path)]
-    try:
-        done = subprocess.run(cmd, cwd=path.parent, capture_output=True, text=True,
-                              timeout=NOTEBOOK_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return None, f"did not finish in {NOTEBOOK_TIMEOUT_S} s"
-    if done.returncode != 0:
-        return None, done.stderr[-4000:]
-    return out, ""
-
-
-@pytest.fixture(scope="module")
-def executed(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("learner_copies")
-    with ThreadPoolExecutor(AT_ONCE) as pool:
-        runs = dict(zip(COPIES, pool.map(lambda p: _execute(p, out_dir), COPIES)))
-    return runs
-
-
 def test_there_is_a_learner_copy_of_every_notebook():
     assert [p.name for p in COPIES] == [p.name for p in course_notebooks(ROOT / "notebooks")]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", COPIES, ids=[p.name for p in COPIES])
-def test_learner_copy_runs_with_every_exercise_unwritten(executed, path):
+def test_learner_copy_runs_with_every_exercise_unwritten(copy_runs, path):
     checkers = checker_cells(nbformat.read(path, as_version=4))
     unwritten = all(STUB in "".join(nbformat.read(path, as_version=4).cells[i].source) for i in checkers)
     assert unwritten, f"{path.name}: an exercise is not a stub"
-    out, failure = executed[path]
+    out, failure = copy_runs.result(path)
     assert out is not None, f"{path.name} stopped before its end:\n{failure}"
     nb = nbformat.read(out, as_version=4)
     for start, index in checkers.items():
@@ -86,3 +57,57 @@ def test_learner_copy_runs_with_every_exercise_unwritten(executed, path):
             assert f"in place of your {name}" in said, (
                 f"{path.name}: cell {index} falls back to radarlab's reference for {name} without saying "
                 f"so:\n{said}")
+
+
+def _tiny_notebook(path: Path, source: str) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(source)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, path)
+    return path
+
+
+@pytest.mark.slow
+def test_copy_runs_hands_out_each_run_and_names_what_failed(tmp_path):
+    from copy_runs import CopyRuns
+
+    good = _tiny_notebook(tmp_path / "good.ipynb", "print('reached the end')")
+    bad = _tiny_notebook(tmp_path / "bad.ipynb", "raise ValueError('stopped here')")
+    runs = CopyRuns([good, bad])
+    runs.start(1)
+    out, failure = runs.result(good)
+    assert failure == "" and "reached the end" in _text(nbformat.read(out, as_version=4).cells[0])
+    out, failure = runs.result(bad)
+    assert out is None and "stopped here" in failure
+    assert len(runs.workers) == 2  # result() added a worker for what was still queued
+    with pytest.raises(KeyError, match="not one of the learner copies"):
+        runs.result(tmp_path / "other.ipynb")
+    runs.pytest_unconfigure(None)
+    assert not runs.out_dir.exists()
+
+
+class _Item:
+    def __init__(self, name: str, fixturenames=()):
+        self.path = Path(name)
+        self.fixturenames = list(fixturenames)
+
+
+def test_copy_runs_come_last_and_start_beside_the_first_notebook():
+    from copy_runs import CopyRuns
+
+    runs = CopyRuns([])
+    items = [_Item("tests/test_learner_copies.py", ["copy_runs"]), _Item("tests/test_a.py"),
+             _Item("notebooks/00_welcome.ipynb")]
+    runs.pytest_collection_modifyitems(items)
+    assert [str(i.path) for i in items] == ["tests/test_a.py", "notebooks/00_welcome.ipynb",
+                                            "tests/test_learner_copies.py"]
+    assert runs.wanted
+    runs.pytest_runtest_setup(items[0])
+    assert runs.workers == []  # a unit test does not start them
+    runs.pytest_runtest_setup(items[1])
+    assert len(runs.workers) == 1  # the first notebook does (nothing queued: the worker just ends)
+    deselected = CopyRuns([])
+    rest = [_Item("tests/test_learner_copies.py"), _Item("notebooks/00_welcome.ipynb")]
+    deselected.pytest_collection_modifyitems(rest)
+    deselected.pytest_runtest_setup(rest[0])
+    assert not deselected.wanted and deselected.workers == []
