@@ -11,7 +11,7 @@ on every machine:
 - the functions the notebooks call run on each file, and on a copy pruned to the keys its schema
   names (so a reader cannot need a key the schema does not check);
 - deleting any key the schema requires, or giving it a wrong type, fails with the file and the key;
-- each notebook's choice of a kept run (throughput, spec) runs for every CPU kind there is.
+- each notebook's choice of a kept run (throughput, spec, FP8 validation) runs for every CPU kind there is.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import pytest
 from radarlab.bench import kv_quant, latency, speculation, throughput
 from radarlab.bench.report import choose_kept_run, kept_by_kind, results_dir
 from radarlab.device import cpu_kind, cpu_kinds
+from radarlab.validate import vllm_fp8
 
 NUM = (int, float)
 
@@ -218,6 +219,35 @@ def check_spec(r: Reader, doc: dict, kind: str, goal_run: bool = False) -> None:
             "must be true or false where vLLM's default mode ran")
 
 
+def check_validate_fp8(r: Reader, doc: dict, kind: str) -> None:
+    """results/validate-fp8-KIND.json (`python -m radarlab.validate --sections fp8 --json ...`): notebook
+    06 (vllm_fp8.format_kept_rows, rounding_by_dtype). Each of vLLM's FP8 dtypes has its bytes, greedy
+    and rounding rows."""
+    sections = r.values(doc, (), "sections", str)
+    r.check(sections == ["fp8"], ("sections",), f"is {sections}, must be ['fp8']: the FP8 rows alone")
+    r.get(doc, (), "passed", bool)
+    check_environment(r, r.get(doc, (), "machine", dict), ("machine",), kind)
+    seen = {}
+    for p, row in r.rows(doc, (), "rows"):
+        check = r.get(row, p, "check", str)
+        for key in ("reference", "measured", "criterion"):
+            r.get(row, p, key, str)
+        r.get(row, p, "passed", bool)
+        details = r.get(row, p, "details", dict)
+        if check.startswith("rounding, kv_cache_dtype="):
+            dtype = check.split("kv_cache_dtype=")[1].split(":")[0]
+            seen.setdefault(dtype, set()).add("rounding")
+            for key in ("max_dlogprob_rtz", "max_dlogprob_rne"):
+                r.get(details, p + ("details",), key, NUM)
+        elif check.startswith(("greedy, kv_cache_dtype=", "KV cache bytes")):
+            dtype = check.split("kv_cache_dtype=")[1].split()[0] if "kv_cache_dtype=" in check else None
+            seen.setdefault(dtype, set()).add(check.split(",")[0].split()[0])
+    for dtype in vllm_fp8.VLLM_FP8_DTYPES:
+        r.check(seen.get(dtype) == {"rounding", "greedy", "KV"}, ("rows",),
+                f"must hold the bytes, greedy and rounding rows of kv_cache_dtype={dtype}, has "
+                f"{sorted(seen.get(dtype, ()))}")
+
+
 def check_latency(r: Reader, doc: dict) -> None:
     """results/latency.json: notebook 05 (latency.format_full_run, format_table, plot_latency_sweep,
     and its cells on the lowest and highest rate and the budget sweep)."""
@@ -374,6 +404,8 @@ def schema_for(name: str):
         return lambda r, doc: check_spec(r, doc, m[1])
     if m := re.fullmatch(rf"ngram-goal(?:-\d+)?-({kinds})\.json", name):
         return lambda r, doc: check_spec(r, doc, m[1], goal_run=True)
+    if m := re.fullmatch(rf"validate-fp8-({kinds})\.json", name):
+        return lambda r, doc: check_validate_fp8(r, doc, m[1])
     fixed = {"latency.json": check_latency, "quant.json": check_quant, "draft_eval.json": check_draft_eval,
              "draft-training.json": check_draft_training, "draft_vllm_eagle.json": check_vllm_eagle,
              "README.md": lambda r, text: check_readme(r, text, results_dir())}
@@ -415,6 +447,8 @@ def run_readers(name: str, path: Path, doc: dict) -> list[str]:
     elif name.startswith(("spec-", "ngram-goal")):
         texts = [speculation.format_ngram_speedups(path, doc), speculation.format_run_header(path, doc),
                  speculation.format_speedup_curves(doc), speculation.format_table(doc)]
+    elif name.startswith("validate-fp8-"):
+        texts = [vllm_fp8.format_kept_rows(path, doc), str(vllm_fp8.rounding_by_dtype(doc))]
     elif name == "latency.json":
         texts = [latency.format_full_run(doc)]
         figures.append(plot_latency_sweep(doc["results"], doc["budget_sweep"],
@@ -570,11 +604,11 @@ def test_the_readme_must_describe_every_file():
 
 # --- the choice of a kept run, on every kind of CPU ----------------------------------------------
 @pytest.mark.parametrize("kind", cpu_kinds())
-@pytest.mark.parametrize("prefix, module", [("throughput", throughput), ("spec", speculation)],
-                         ids=["05", "08_09"])
+@pytest.mark.parametrize("prefix, module", [("throughput", throughput), ("spec", speculation),
+                                            ("validate-fp8", vllm_fp8)], ids=["05", "08_09", "06"])
 def test_the_notebooks_choice_of_a_kept_run_on_every_cpu_kind(kind, prefix, module, monkeypatch):
-    """What notebook 05 (throughput) and notebooks 08 and 09 (spec) show on a CPU of this kind: the same
-    call, with this machine made that kind, then the readers on the run chosen."""
+    """What notebooks 05 (throughput), 06 (FP8 validation), 08 and 09 (spec) show on a CPU of this kind:
+    the same call, with this machine made that kind, then the readers on the run chosen."""
     monkeypatch.setenv("RADARLAB_CPU_KIND", kind)
     assert cpu_kind() == kind
     path, doc, note = module.full_run(cpu_kind())
