@@ -426,6 +426,11 @@ def format_table(doc: dict) -> str:
             vals = {r["batch_size"]: r[key] for r in doc["ratios"] if r["dtype"] == dtype and key in r}
             lines.append(f"{'radarlab / ' + other:>22}"
                          + "".join(f"{vals[b]:>8.2f}x" if b in vals else f"{'-':>9}" for b in sizes))
+        if "vllm" in systems and "vllm_eager" in systems:  # what compiling buys vLLM, in the same run
+            tps = {(r["system"], r["batch_size"]): r["tokens_per_s"] for r in res if r["dtype"] == dtype}
+            lines.append(f"{'vllm / vllm_eager':>22}" + "".join(
+                f"{tps['vllm', b] / tps['vllm_eager', b]:>8.2f}x"
+                if ("vllm", b) in tps and ("vllm_eager", b) in tps else f"{'-':>9}" for b in sizes))
         for row in doc.get("limits", []):
             if row["system"] == "radarlab" and row["dtype"] == dtype and row["batch_size"] in (sizes[0],
                                                                                                sizes[-1]):

@@ -253,3 +253,16 @@ def test_a_vllm_run_without_vllm_is_refused_naming_the_way_out(monkeypatch):
     with pytest.raises(ValueError, match="no vLLM environment.*--systems radarlab,transformers"):
         require_vllm(("radarlab", "vllm"), "radarlab,transformers")
     require_vllm(("radarlab",), "radarlab")  # no vllm asked for: nothing to check
+
+
+def test_the_table_shows_what_compiling_buys_vllm():
+    """vllm (compiled) over vllm_eager per batch size, from the same run; a size one mode lacks is a dash."""
+    ms = [m("radarlab", 1, 30), m("vllm", 1, 25), m("vllm_eager", 1, 20), m("radarlab", 16, 300),
+          m("vllm", 16, 330)]
+    doc = report(ThroughputConfig(batch_sizes=(1, 16), dtypes=("float32",),
+                                  systems=("radarlab", "vllm", "vllm_eager")), ms, {})
+    line = next(x for x in format_table(doc).splitlines() if x.strip().startswith("vllm / vllm_eager"))
+    assert line.split()[3:] == ["1.25x", "-"]
+    eager_only = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",),
+                                         systems=("radarlab", "vllm_eager")), [ms[0], ms[2]], {})
+    assert "vllm / vllm_eager" not in format_table(eager_only)
