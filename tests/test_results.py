@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 
 from radarlab.bench import kv_quant, latency, speculation, throughput
-from radarlab.bench.report import choose_kept_run, kept_by_kind, results_dir
 from radarlab.device import cpu_kind, cpu_kinds
+from radarlab.lab.kept_runs import choose_kept_run, kept_by_kind, results_dir
 from radarlab.validate import vllm_fp8
 
 NUM = (int, float)

@@ -7,6 +7,7 @@ Subcommands:
   quant        KV-cache formats: bytes per token, attention error, perplexity through the paged cache,
                and how many long requests the engine runs at once on a fixed KV byte budget
   spec         tokens/s with and without speculative decoding (n-gram, trained EAGLE head), radarlab and vLLM
+  profile      where the engine's decode step goes (matmuls, attention, casts, Python), per dtype and batch
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from radarlab.bench import kv_quant, latency, reservation, speculation, throughput
+    from radarlab.bench import kv_quant, latency, profile, reservation, speculation, throughput
 
     parser = argparse.ArgumentParser(prog="python -m radarlab.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("throughput", throughput, "output tokens/s: radarlab engine vs transformers vs vLLM"),
         ("quant", kv_quant, "KV formats: bytes, attention error, perplexity, concurrency at a fixed budget"),
         ("spec", speculation, "tokens/s with and without speculative decoding: radarlab vs vLLM"),
+        ("profile", profile, "the engine's decode step by op group, per dtype and batch size"),
     ]:
         p = sub.add_parser(name, help=help_text, description=module.__doc__.splitlines()[0])
         module.add_arguments(p)

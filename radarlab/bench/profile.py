@@ -8,13 +8,18 @@ rows for the LM head, and aten::copy_ is mostly the bf16 to fp32 weight conversi
 bf16 GEMMs (radarlab.models.linear) but also other casts. SDPA's fused CPU kernel and radarlab's C++
 decode kernel (radarlab.cpu_ops, which gathers nothing) count as attention math; the fused norm,
 SwiGLU gate and RoPE operators have a group of their own.
+
+`python -m radarlab.bench profile` profiles the engine's decode step on the throughput bench's job
+(decode_ready_engine), per dtype and batch size, and writes the groups as JSON.
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import sys
 import time
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from radarlab.util import require_int
@@ -109,3 +114,91 @@ def format_breakdown(breakdown: dict) -> str:
     for name, ms in sorted(breakdown["groups"].items(), key=lambda kv: -kv[1]):
         lines.append(f"{name:<{width}} {ms:9.1f} ms {100 * ms / wall:5.1f}%")
     return "\n".join(lines)
+
+
+# --- the engine's decode step, profiled: python -m radarlab.bench profile ---------------------------
+@dataclass(frozen=True)
+class ProfileConfig:
+    batch_sizes: tuple[int, ...] = (1, 64)
+    dtypes: tuple[str, ...] = ("bfloat16", "float32")  # the throughput bench's
+    repeat: int = 5  # decode steps profiled per cell; times are per step
+    max_tokens: int = 64
+    min_prompt_len: int = 16
+    max_prompt_len: int = 128
+    seed: int = 0
+    model: str | None = None  # HF id or directory; None is the course model
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        from radarlab.bench.report import require_sweep
+        from radarlab.bench.throughput import DTYPES
+
+        require_sweep(self, ("repeat", "max_tokens", "min_prompt_len", "max_prompt_len", "block_size"),
+                      ("min_prompt_len", "max_prompt_len"), {"dtypes": DTYPES})
+        if self.repeat >= self.max_tokens:
+            raise ValueError(f"repeat must be below max_tokens ({self.max_tokens}): each profiled step "
+                             f"decodes one token of every request, got {self.repeat}")
+
+
+def decode_ready_engine(model, batch_size: int, config: ProfileConfig = ProfileConfig()):
+    """An engine holding the throughput bench's first `batch_size` prompts (same seed and lengths),
+    stepped until every prompt is prefilled, so that its next steps are decode steps of the whole batch."""
+    from radarlab.engine import Engine, SamplingParams
+    from radarlab.lab.workload import random_token_prompts
+
+    require_int("batch_size", batch_size)
+    blocks_per_request = -(-(config.max_prompt_len + config.max_tokens) // config.block_size)
+    engine = Engine(model, num_blocks=batch_size * blocks_per_request, block_size=config.block_size,
+                    max_num_seqs=batch_size, max_num_batched_tokens=2048)
+    lens = (config.min_prompt_len, config.max_prompt_len)
+    for prompt in random_token_prompts(batch_size, model.config.vocab_size, lens, seed=config.seed):
+        engine.add_request(prompt, SamplingParams(max_tokens=config.max_tokens, ignore_eos=True))
+    while engine.last_scheduled is None or any(n > 1 for n in engine.last_scheduled.num_scheduled_tokens):
+        engine.step()
+    return engine
+
+
+def run(config: ProfileConfig, log: Callable[[str], None] = print) -> list[dict]:
+    """One row per (dtype, batch size): the decode step's wall time and its groups, per step."""
+    import torch
+
+    from radarlab.device import default_device
+    from radarlab.models.llama import Llama
+
+    rows = []
+    for dtype in config.dtypes:
+        model = Llama.from_pretrained(config.model, dtype=getattr(torch, dtype), device=default_device())[0]
+        for batch_size in config.batch_sizes:
+            engine = decode_ready_engine(model, batch_size, config)
+            engine.step()  # one decode step first: anything built on first use is built outside the profile
+            row = {"dtype": dtype, "batch_size": batch_size, **op_breakdown(engine.step, config.repeat)}
+            log(f"decode step, {dtype}, batch {batch_size}:\n{format_breakdown(row)}\n")
+            rows.append(row)
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    c = ProfileConfig()
+    parser.add_argument("--json", metavar="PATH", help="write parameters, environment and results as JSON")
+    parser.add_argument("--batch-sizes", default=",".join(map(str, c.batch_sizes)), help="(%(default)s)")
+    parser.add_argument("--dtypes", default=",".join(c.dtypes), help="(%(default)s)")
+    parser.add_argument("--repeat", type=int, default=c.repeat, help="decode steps profiled (%(default)s)")
+    parser.add_argument("--seed", type=int, default=c.seed, help="prompt seed (%(default)s)")
+    parser.add_argument("--model", default=None, help="HF model id or directory (default: the course model)")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from radarlab.bench.report import comma_ints, comma_names, write_json
+    from radarlab.lab.machine import environment
+
+    config = ProfileConfig(batch_sizes=comma_ints("batch-sizes", args.batch_sizes),
+                           dtypes=comma_names(args.dtypes), repeat=args.repeat, seed=args.seed,
+                           model=args.model)
+    rows = run(config)
+    if args.json:
+        write_json(args.json, {"benchmark": "profile", "parameters": asdict(config),
+                               "environment": {**environment(), "torch_threads": torch.get_num_threads()},
+                               "results": rows})
+    return 0

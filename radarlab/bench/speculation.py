@@ -35,12 +35,12 @@ from pathlib import Path
 from radarlab.bench.report import (
     VLLM_EAGER,
     add_sweep_arguments,
-    choose_kept_run,
     comma_ints,
     comma_names,
     require_sweep,
     vllm_modes,
 )
+from radarlab.lab.kept_runs import choose_kept_run
 from radarlab.validate.vllm_spec import DRAFT_K, NGRAM_CONFIG, SpecRun, run_radarlab_spec, run_vllm_spec
 
 SYSTEMS = ("radarlab", "vllm", "vllm_eager")
@@ -253,7 +253,7 @@ def format_table(doc: dict) -> str:
 
 def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, dict | None, str | None]:
     """(path, doc, sentence): the run notebooks 08 and 09 show on a CPU of this kind, this kind's
-    results/spec-KIND.json or another kind's (radarlab.bench.report.choose_kept_run). The sentence,
+    results/spec-KIND.json or another kind's (radarlab.lab.kept_runs.choose_kept_run). The sentence,
     None for this kind's own run, says whose run it is and that only its speedups compare."""
     return choose_kept_run("spec", kind, "speculative-decoding",
                            "`python -m radarlab.bench spec --json "

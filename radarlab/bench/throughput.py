@@ -36,13 +36,12 @@ from radarlab.bench.report import (
     VLLM_EAGER,
     add_batching_arguments,
     add_sweep_arguments,
-    choose_kept_run,
     comma_ints,
     comma_names,
     require_sweep,
-    results_dir,
     vllm_modes,
 )
+from radarlab.lab.kept_runs import choose_kept_run, results_dir
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
 
@@ -63,7 +62,7 @@ def results_path(kind: str) -> Path:
 
 def full_run(kind: str, folder: str | Path | None = None) -> tuple[Path | None, dict | None, str | None]:
     """(path, doc, sentence): the full run notebook 05 shows on a CPU of this kind, this kind's
-    results/throughput-KIND.json or another kind's (radarlab.bench.report.choose_kept_run). The
+    results/throughput-KIND.json or another kind's (radarlab.lab.kept_runs.choose_kept_run). The
     sentence, None for this kind's own run, says whose run it is and that only its ratios compare."""
     results_path(kind)  # a bad kind raises here, not as a missing file
     return choose_kept_run("throughput", kind, "full throughput",

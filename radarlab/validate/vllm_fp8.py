@@ -128,8 +128,8 @@ def full_run(kind: str, folder=None) -> tuple:
     """(path, doc, sentence): the kept FP8 rows (`python -m radarlab.validate --sections fp8 --json ...`)
     notebook 06 shows on a CPU of this kind, or another kind's with a sentence saying so. vLLM's CPU
     build runs an FP8 cache only with AVX-512 or AMX, so other kinds always show another kind's."""
-    from radarlab.bench.report import choose_kept_run
     from radarlab.device import cpu_kinds
+    from radarlab.lab.kept_runs import choose_kept_run
 
     if kind not in cpu_kinds():
         raise ValueError(f"kind must be one of {cpu_kinds()}, got {kind!r}")

@@ -50,3 +50,46 @@ def test_launching_ops_counts_ops_that_compute_and_leaves_out_views():
     x = torch.ones(4, 4)
     assert launching_ops(lambda: x.view(16).reshape(2, 8).t()) == 0  # views only
     assert launching_ops(lambda: (x @ x).relu().sum()) == 3  # mm, relu, sum; the mm's own calls not counted
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("repeat", 0, "repeat"), ("batch_sizes", (), "batch_sizes"), ("dtypes", ("int8",), "dtypes"),
+    ("repeat", 64, "below max_tokens"), ("min_prompt_len", 200, "above max_prompt_len")])
+def test_a_bad_profile_config_names_its_field(field, value, match):
+    from radarlab.bench.profile import ProfileConfig
+
+    with pytest.raises(ValueError, match=match):
+        ProfileConfig(**{field: value})
+
+
+def test_the_profiled_steps_are_decode_steps_of_the_whole_batch(tiny):
+    """decode_ready_engine leaves every prompt prefilled: the next step schedules one token per request."""
+    from radarlab.bench.profile import ProfileConfig, decode_ready_engine, op_breakdown
+
+    config = ProfileConfig(max_tokens=8, min_prompt_len=4, max_prompt_len=40, block_size=8)
+    engine = decode_ready_engine(tiny, 5, config)
+    assert all(n == 1 for n in engine.last_scheduled.num_scheduled_tokens)
+    breakdown = op_breakdown(engine.step, repeat=2)
+    assert engine.last_scheduled.num_scheduled_tokens == [1] * 5
+    assert breakdown["groups"]["matmuls (linear layers, LM head)"] > 0
+    with pytest.raises(ValueError, match="batch_size"):
+        decode_ready_engine(tiny, 0, config)
+
+
+def test_the_command_line_writes_each_cell_as_json(tmp_path, capsys):
+    """python -m radarlab.bench profile on the course model, one small cell: the JSON has its groups."""
+    import json
+
+    from radarlab.bench.__main__ import main
+
+    out = tmp_path / "profile.json"
+    assert main(["profile", "--batch-sizes", "2", "--dtypes", "float32", "--repeat", "1",
+                 "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "profile" and doc["parameters"]["batch_sizes"] == [2]
+    (row,) = doc["results"]
+    assert (row["dtype"], row["batch_size"]) == ("float32", 2)
+    assert sum(row["groups"].values()) == pytest.approx(row["wall_ms"], rel=1e-6)
+    assert doc["environment"]["cpu_kind"] and "decode step, float32, batch 2" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["profile", "--dtypes", "float64"])
