@@ -119,40 +119,45 @@ def format_breakdown(breakdown: dict) -> str:
 # --- the engine's decode step, profiled: python -m radarlab.bench profile ---------------------------
 @dataclass(frozen=True)
 class ProfileConfig:
+    """Which cells to profile; the job itself (prompt lengths, new tokens, block size, seed) is the
+    throughput bench's, ThroughputConfig's defaults."""
     batch_sizes: tuple[int, ...] = (1, 64)
     dtypes: tuple[str, ...] = ("bfloat16", "float32")  # the throughput bench's
     repeat: int = 5  # decode steps profiled per cell; times are per step
-    max_tokens: int = 64
-    min_prompt_len: int = 16
-    max_prompt_len: int = 128
     seed: int = 0
     model: str | None = None  # HF id or directory; None is the course model
-    block_size: int = 16
+
+    def job(self):
+        """The throughput bench's job at these batch sizes, dtypes, seed and model."""
+        from radarlab.bench.throughput import ThroughputConfig
+
+        return ThroughputConfig(batch_sizes=self.batch_sizes, dtypes=self.dtypes, systems=("radarlab",),
+                                seed=self.seed, model=self.model)
 
     def __post_init__(self) -> None:
-        from radarlab.bench.report import require_sweep
-        from radarlab.bench.throughput import DTYPES
-
-        require_sweep(self, ("repeat", "max_tokens", "min_prompt_len", "max_prompt_len", "block_size"),
-                      ("min_prompt_len", "max_prompt_len"), {"dtypes": DTYPES})
-        if self.repeat >= self.max_tokens:
-            raise ValueError(f"repeat must be below max_tokens ({self.max_tokens}): each profiled step "
+        max_tokens = self.job().max_tokens  # checks batch_sizes, dtypes and seed, naming the field
+        require_int("repeat", self.repeat)
+        if self.repeat >= max_tokens:
+            raise ValueError(f"repeat must be below max_tokens ({max_tokens}): each profiled step "
                              f"decodes one token of every request, got {self.repeat}")
 
 
-def decode_ready_engine(model, batch_size: int, config: ProfileConfig = ProfileConfig()):
-    """An engine holding the throughput bench's first `batch_size` prompts (same seed and lengths),
-    stepped until every prompt is prefilled, so that its next steps are decode steps of the whole batch."""
+def decode_ready_engine(model, batch_size: int, job=None):
+    """An engine holding the throughput bench's first `batch_size` prompts (a ThroughputConfig `job`,
+    its defaults when None), stepped until every prompt is prefilled, so that its next steps are decode
+    steps of the whole batch."""
+    from radarlab.bench.throughput import ThroughputConfig
     from radarlab.engine import Engine, SamplingParams
     from radarlab.lab.workload import random_token_prompts
 
+    job = ThroughputConfig() if job is None else job
     require_int("batch_size", batch_size)
-    blocks_per_request = -(-(config.max_prompt_len + config.max_tokens) // config.block_size)
-    engine = Engine(model, num_blocks=batch_size * blocks_per_request, block_size=config.block_size,
-                    max_num_seqs=batch_size, max_num_batched_tokens=2048)
-    lens = (config.min_prompt_len, config.max_prompt_len)
-    for prompt in random_token_prompts(batch_size, model.config.vocab_size, lens, seed=config.seed):
-        engine.add_request(prompt, SamplingParams(max_tokens=config.max_tokens, ignore_eos=True))
+    blocks_per_request = -(-(job.max_prompt_len + job.max_tokens) // job.block_size)
+    engine = Engine(model, num_blocks=batch_size * blocks_per_request, block_size=job.block_size,
+                    max_num_seqs=batch_size, max_num_batched_tokens=job.max_num_batched_tokens)
+    lens = (job.min_prompt_len, job.max_prompt_len)
+    for prompt in random_token_prompts(batch_size, model.config.vocab_size, lens, seed=job.seed):
+        engine.add_request(prompt, SamplingParams(max_tokens=job.max_tokens, ignore_eos=True))
     while engine.last_scheduled is None or any(n > 1 for n in engine.last_scheduled.num_scheduled_tokens):
         engine.step()
     return engine
@@ -169,7 +174,7 @@ def run(config: ProfileConfig, log: Callable[[str], None] = print) -> list[dict]
     for dtype in config.dtypes:
         model = Llama.from_pretrained(config.model, dtype=getattr(torch, dtype), device=default_device())[0]
         for batch_size in config.batch_sizes:
-            engine = decode_ready_engine(model, batch_size, config)
+            engine = decode_ready_engine(model, batch_size, config.job())
             engine.step()  # one decode step first: anything built on first use is built outside the profile
             row = {"dtype": dtype, "batch_size": batch_size, **op_breakdown(engine.step, config.repeat)}
             log(f"decode step, {dtype}, batch {batch_size}:\n{format_breakdown(row)}\n")
@@ -198,7 +203,8 @@ def main(args: argparse.Namespace) -> int:
                            model=args.model)
     rows = run(config)
     if args.json:
-        write_json(args.json, {"benchmark": "profile", "parameters": asdict(config),
+        parameters = {**asdict(config), "job": asdict(config.job())}
+        write_json(args.json, {"benchmark": "profile", "parameters": parameters,
                                "environment": {**environment(), "torch_threads": torch.get_num_threads()},
                                "results": rows})
     return 0

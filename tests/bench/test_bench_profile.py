@@ -54,7 +54,7 @@ def test_launching_ops_counts_ops_that_compute_and_leaves_out_views():
 
 @pytest.mark.parametrize("field, value, match", [
     ("repeat", 0, "repeat"), ("batch_sizes", (), "batch_sizes"), ("dtypes", ("int8",), "dtypes"),
-    ("repeat", 64, "below max_tokens"), ("min_prompt_len", 200, "above max_prompt_len")])
+    ("repeat", 64, "below max_tokens"), ("seed", -1, "seed")])
 def test_a_bad_profile_config_names_its_field(field, value, match):
     from radarlab.bench.profile import ProfileConfig
 
@@ -64,9 +64,10 @@ def test_a_bad_profile_config_names_its_field(field, value, match):
 
 def test_the_profiled_steps_are_decode_steps_of_the_whole_batch(tiny):
     """decode_ready_engine leaves every prompt prefilled: the next step schedules one token per request."""
-    from radarlab.bench.profile import ProfileConfig, decode_ready_engine, op_breakdown
+    from radarlab.bench.profile import decode_ready_engine, op_breakdown
+    from radarlab.bench.throughput import ThroughputConfig
 
-    config = ProfileConfig(max_tokens=8, min_prompt_len=4, max_prompt_len=40, block_size=8)
+    config = ThroughputConfig(max_tokens=8, min_prompt_len=4, max_prompt_len=40, block_size=8)
     engine = decode_ready_engine(tiny, 5, config)
     assert all(n == 1 for n in engine.last_scheduled.num_scheduled_tokens)
     breakdown = op_breakdown(engine.step, repeat=2)
