@@ -5,9 +5,13 @@ each, greedy, EOS ignored, all requests submitted at once. Output tokens per sec
 prefill included, is the figure (vLLM's `benchmark_throughput` reports the same quantity).
 
 - radarlab: Engine.generate on a fresh pool sized so memory never limits the batch, with its C++
-  operators (radarlab.cpu_ops: the paged decode kernel, fused RMSNorm, SwiGLU gate and RoPE).
-- radarlab_torch: the same engine on torch ops alone (C++ operators off): what the C++ operators
-  buy, measured in the same run.
+  operators (radarlab.cpu_ops: the paged decode kernel, fused RMSNorm, SwiGLU gate and RoPE), in its
+  default mode: each step replayed from one capture (radarlab.models.replay), radarlab's counterpart
+  of vLLM's compiled mode.
+- radarlab_eager: the same with enforce_eager=True (the model's forward, module by module): what
+  the replay buys, in the same run.
+- radarlab_torch: the same engine on torch ops alone (C++ operators off, so eager too): what the C++
+  operators buy, measured in the same run.
 - transformers: `generate` with static batching, prompts left-padded to the longest (its default
   sdpa attention).
 - vllm: the CPU build (or CUDA build) through the validation harness in its default mode, as users
@@ -45,7 +49,9 @@ from radarlab.lab.kept_runs import choose_kept_run, results_dir
 from radarlab.lab.roofline import TransformerDims, decode_step
 from radarlab.lab.workload import random_token_prompts
 
-SYSTEMS = ("radarlab", "radarlab_torch", "transformers", "vllm", "vllm_eager")
+SYSTEMS = ("radarlab", "radarlab_eager", "radarlab_torch", "transformers", "vllm", "vllm_eager")
+# radarlab's systems: (C++ operators on, enforce_eager)
+RADARLAB_MODES = {"radarlab": (True, False), "radarlab_eager": (True, True), "radarlab_torch": (False, True)}
 DTYPES = ("bfloat16", "float32")
 
 GOAL = ("radarlab >= 1.0x transformers and >= 1.0x vLLM in its default (compiled) mode at every batch size, "
@@ -95,9 +101,11 @@ def format_ratios(path: Path, doc: dict) -> str:
                  (("radarlab_over_transformers", "transformers"),
                   ("radarlab_over_vllm", "vLLM (default, compiled)"),
                   ("radarlab_over_vllm_eager", "vLLM eager")) if key in row]
-        own = row.get("radarlab_over_radarlab_torch")
+        own = [f"{label} {row[key]:.2f}x" for key, label in
+               (("radarlab_over_radarlab_eager", "replayed / eager"),
+                ("radarlab_over_radarlab_torch", "C++ operators on / off")) if key in row]
         lines.append(f"throughput ({path.name}), {row['dtype']} batch {row['batch_size']}: "
-                     + ", ".join(parts) + (f", C++ operators on / off {own:.2f}x" if own else ""))
+                     + ", ".join(parts + own))
     return "\n".join(lines)
 
 
@@ -161,15 +169,17 @@ def _count(outputs: list[list[int]], expected: int, system: str) -> int:
 
 
 # --- the three systems --------------------------------------------------------------------------
-def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig, cpu_ops: bool = True
-                  ) -> tuple[list[list[int]], float]:
-    """cpu_ops=False: torch ops only (radarlab_torch); True: the C++ operators wherever they build."""
+def time_radarlab(model, prompts: list[list[int]], config: ThroughputConfig, cpu_ops: bool = True,
+                  enforce_eager: bool = False) -> tuple[list[list[int]], float]:
+    """cpu_ops=False: torch ops only (radarlab_torch); True: the C++ operators wherever they build.
+    enforce_eager=True: the model's forward every step, no replay (radarlab_eager)."""
     from radarlab.engine import Engine, SamplingParams
     from radarlab.models.paged_runner import blocks_needed
 
     num_blocks = blocks_needed(prompts, config.max_tokens, config.block_size)
     engine = Engine(model, num_blocks, config.block_size, max_num_seqs=len(prompts),
-                    max_num_batched_tokens=config.max_num_batched_tokens, cpu_ops=None if cpu_ops else False)
+                    max_num_batched_tokens=config.max_num_batched_tokens, cpu_ops=None if cpu_ops else False,
+                    enforce_eager=enforce_eager)
     params = SamplingParams(max_tokens=config.max_tokens, ignore_eos=True)
     before, model.use_cpu_ops = model.use_cpu_ops, (None if cpu_ops else False)
     try:
@@ -263,13 +273,12 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
             log(f"{system:>12} {dtype_name:>8} batch {m.batch_size:>3}: {m.output_tokens:>5} tokens in "
                 f"{m.seconds:7.2f} s = {m.tokens_per_s:7.1f} tok/s")
 
-        for system in ("radarlab", "radarlab_torch"):
+        for system, mode in RADARLAB_MODES.items():
             if system in config.systems:
-                cpu_ops = system == "radarlab"
                 model = Llama.from_hf(hf_model)
-                time_radarlab(model, prompt_sets[0][:2], _warmup(config), cpu_ops)
+                time_radarlab(model, prompt_sets[0][:2], _warmup(config), *mode)
                 for prompts in prompt_sets:
-                    record(system, prompts, [time_radarlab(model, prompts, config, cpu_ops)
+                    record(system, prompts, [time_radarlab(model, prompts, config, *mode)
                                              for _ in range(config.repeats)])
                 del model
         if "transformers" in config.systems:

@@ -64,7 +64,8 @@ class Engine:
                  kv_cache_dtype: str = "auto", kv_cache_bytes: int | None = None,
                  speculative_config: dict | None = None, cpu_ops: bool | None = None,
                  rejection_sampler=rejection_sample, block_pool_cls=BlockPool,
-                 scheduler_cls=Scheduler, attn_backend=None, kivi_quantizer=None) -> None:
+                 scheduler_cls=Scheduler, attn_backend=None, kivi_quantizer=None,
+                 enforce_eager: bool = False) -> None:
         """num_blocks sizes the pool directly; or pass num_blocks=None and kv_cache_bytes, a byte budget
         that num_blocks_for_budget turns into blocks of kv_cache_dtype (FP8: twice 16-bit's blocks).
         max_model_len must fit the pool (ValueError naming both); None: the model's context, capped at
@@ -79,7 +80,10 @@ class Engine:
         the same arguments (notebook 05 runs a learner's schedule()); attn_backend replaces the attention
         backend the cache's configuration picks (notebook 04 runs one with the learner's decode kernel).
         kivi_quantizer (radarlab.quant.kivi.KiviQuantizer): a KIVI cache's key quantizer and
-        quantized_length, such as a learner's (notebook 07); None: radarlab's."""
+        quantized_length, such as a learner's (notebook 07); None: radarlab's.
+        enforce_eager (vLLM's name): False replays each step's captured calls where the configuration
+        allows (radarlab.models.replay; self.runner.eager_reason says why not), True always runs the
+        model's forward, module by module (the two give the same logits)."""
         cfg = model.config
         if max_model_len is not None:
             require_int("max_model_len (at most the model's context)", max_model_len, 1,
@@ -106,7 +110,7 @@ class Engine:
                                             cpu_ops=cpu_ops, kivi_quantizer=kivi_quantizer)
         self.scheduler = scheduler_cls(self.manager, max_num_seqs, max_num_batched_tokens, max_model_len,
                                        watermark)
-        self.runner = ModelRunner(model, self.cache, attn_backend)
+        self.runner = ModelRunner(model, self.cache, attn_backend, enforce_eager)
         self.max_model_len = max_model_len
         self.eos_token_id = eos_token_id
         self._ids = itertools.count()

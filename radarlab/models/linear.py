@@ -136,11 +136,18 @@ def fused_linear(x: torch.Tensor, layers: Sequence[Linear], packed: PackedWeight
     layers keep their own parameters, so state dicts and module names do not change. One GEMM with
     a wider output beats several: measured with packed weights, fp32 q/k/v [576 -> 576/192/192]
     56 -> 34 us at 1 row and 88 -> 65 us at 16; gate/up [576 -> 2 x 1536] 70 -> 60 us at 1 row."""
-    weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
-    # hooks must see each call
-    hooked = any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
-    if hooked or len({b is None for b in biases}) > 1 or not all(packs(x, w, b) for w,
-                                                                 b in zip(weights, biases)):
+    if not packed_path(x, layers):
         return tuple(layer(x) for layer in layers)
-    out = packed.linear(x, weights, biases)
+    out = packed.linear(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
     return out.split([layer.out_features for layer in layers], dim=-1)
+
+
+def packed_path(x: torch.Tensor, layers: Sequence[Linear], check_hooks: bool = True) -> bool:
+    """Do these layers, applied to x, run as one packed GEMM on their stacked weights? Every weight
+    packs, their biases are all present or all absent, and (check_hooks) no layer has a hook, which
+    must see each call (the replayed step checks hooks per step instead)."""
+    if check_hooks and any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers):
+        return False
+    if len({layer.bias is None for layer in layers}) > 1:
+        return False
+    return all(packs(x, layer.weight, layer.bias) for layer in layers)

@@ -274,16 +274,7 @@ class Llama(nn.Module):
         logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [T, vocab] for packed tokens, or only for the rows in logits_indices."""
-        if input_ids.dim() != 1 or positions.shape != input_ids.shape:
-            raise ValueError("input_ids and positions must be matching 1-D tensors, got "
-                             f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
-        if input_ids.numel() != meta.num_tokens:
-            raise ValueError(f"{input_ids.numel()} tokens but the metadata describes {meta.num_tokens}")
-        if input_ids.numel() and int(positions.max()) >= self.config.max_position_embeddings:
-            raise ValueError(
-                f"position {int(positions.max())} is past the model's maximum context "
-                f"({self.config.max_position_embeddings} tokens)"
-            )
+        check_inputs(self.config, input_ids, positions, meta)
         meta = ensure_built(kv_cache, meta)  # validated and planned once, not in each of the layers
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
@@ -294,6 +285,20 @@ class Llama(nn.Module):
         if logits_indices is not None:
             x = x[logits_indices]
         return self.lm_head(x)
+
+
+def check_inputs(config: LlamaConfig, input_ids: torch.Tensor, positions: torch.Tensor,
+                 meta: AttentionMetadata) -> None:
+    """A forward pass's packed inputs: matching 1-D ids and positions, as many as the metadata
+    describes, no position past the model's context. ValueError naming what is wrong."""
+    if input_ids.dim() != 1 or positions.shape != input_ids.shape:
+        raise ValueError("input_ids and positions must be matching 1-D tensors, got "
+                         f"{tuple(input_ids.shape)} and {tuple(positions.shape)}")
+    if input_ids.numel() != meta.num_tokens:
+        raise ValueError(f"{input_ids.numel()} tokens but the metadata describes {meta.num_tokens}")
+    if input_ids.numel() and int(positions.max()) >= config.max_position_embeddings:
+        raise ValueError(f"position {int(positions.max())} is past the model's maximum context "
+                         f"({config.max_position_embeddings} tokens)")
 
 
 def final_features(model: Llama, input_ids, positions, kv_cache, meta) -> torch.Tensor:

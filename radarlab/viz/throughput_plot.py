@@ -1,8 +1,9 @@
 """Output tokens/s of each system by batch size, one panel per dtype, from `bench throughput` JSON."""
 from __future__ import annotations
 
-SYSTEM_COLOURS = {"radarlab": "tab:blue", "radarlab_torch": "lightsteelblue", "transformers": "tab:orange",
-                  "vllm": "tab:green", "vllm_eager": "yellowgreen"}
+SYSTEM_COLOURS = {"radarlab": "tab:blue", "radarlab_eager": "cornflowerblue",
+                  "radarlab_torch": "lightsteelblue",
+                  "transformers": "tab:orange", "vllm": "tab:green", "vllm_eager": "yellowgreen"}
 
 
 def plot_throughput(doc: dict):

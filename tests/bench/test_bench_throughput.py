@@ -4,6 +4,7 @@ figure, not asserted here)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ from radarlab.bench.throughput import (
     Measurement,
     ThroughputConfig,
     dtype_notes,
+    format_ratios,
     format_run_header,
     format_table,
     format_vllm_modes,
@@ -147,7 +149,8 @@ def test_end_to_end_every_system(tmp_path, capsys):
     env = doc["environment"]
     assert doc["benchmark"] == "throughput" and env["vllm_vllm_version"] == env["vllm_eager_vllm_version"]
     got = {(r["system"], r["batch_size"]) for r in doc["results"]}
-    assert got == {(s, b) for s in ("radarlab", "radarlab_torch", "transformers", "vllm", "vllm_eager")
+    assert got == {(s, b) for s in ("radarlab", "radarlab_eager", "radarlab_torch", "transformers", "vllm",
+                                    "vllm_eager")
                    for b in (1, 3)}
     # vllm is vLLM as users run it, compiled by torch.compile; vllm_eager is not compiled
     assert env["vllm_compilation"]["enforce_eager"] is False and env["vllm_compilation"]["mode"] != "NONE"
@@ -165,6 +168,7 @@ def test_end_to_end_every_system(tmp_path, capsys):
         assert row["outputs_equal_transformers"] == 1.0 and row["outputs_equal_vllm"] == 1.0
         assert row["outputs_equal_vllm_eager"] == 1.0
         assert row["outputs_equal_radarlab_torch"] == 1.0  # the C++ operators change no token
+        assert row["outputs_equal_radarlab_eager"] == 1.0  # nor does the replay
     # each measurement placed on this machine's roofline, measured in the same run
     assert doc["machine_balance"]["read_bandwidth_gb_s"] > 0
     assert doc["machine_balance"]["fp32_gemm_gflop_s"] > 0
@@ -231,9 +235,21 @@ def test_the_torch_only_engine_is_a_system_of_its_own():
     assert "radarlab / radarlab_torch" in format_table(doc)
 
 
+def test_the_ratios_say_what_the_replay_buys():
+    """radarlab (replayed steps) over radarlab_eager, from the same run, in notebook 05's summary line."""
+    ms = [m("radarlab", 1, 30), m("radarlab_eager", 1, 24), m("radarlab_torch", 1, 20), m("vllm", 1, 25)]
+    doc = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",),
+                                  systems=("radarlab", "radarlab_eager", "radarlab_torch", "vllm")), ms, {})
+    assert doc["ratios"][0]["radarlab_over_radarlab_eager"] == pytest.approx(1.25)
+    line = format_ratios(Path("throughput-x.json"), doc)
+    assert line.endswith("radarlab / vLLM (default, compiled) 1.20x, replayed / eager 1.25x, "
+                         "C++ operators on / off 1.50x")
+
+
 @pytest.mark.slow
 def test_both_radarlab_systems_give_the_same_tokens(tiny):
-    """The engine with and without its C++ operators, on the benchmark's own prompts (fp32, greedy)."""
+    """The engine with and without its C++ operators, and with and without the replay, on the
+    benchmark's own prompts (fp32, greedy)."""
     from radarlab.bench.throughput import time_radarlab
     from radarlab.lab.workload import random_token_prompts
 
@@ -241,7 +257,8 @@ def test_both_radarlab_systems_give_the_same_tokens(tiny):
     prompts = random_token_prompts(5, tiny.config.vocab_size, (4, 40), 0)
     fused, _ = time_radarlab(tiny, prompts, config)
     plain, _ = time_radarlab(tiny, prompts, config, cpu_ops=False)
-    assert fused == plain and all(len(o) == 8 for o in fused)
+    eager, _ = time_radarlab(tiny, prompts, config, enforce_eager=True)
+    assert fused == plain == eager and all(len(o) == 8 for o in fused)
     assert tiny.use_cpu_ops is None  # restored
 
 

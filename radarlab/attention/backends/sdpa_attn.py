@@ -27,19 +27,23 @@ class TorchSDPABackend(PagedBackend):
     def write_slots(self, layer: int, k, v, slot_mapping, kv_cache) -> None:
         reshape_and_cache(k, v, kv_cache.k[layer], kv_cache.v[layer], slot_mapping)
 
-    def write(self, layer: int, k, v, meta: AttentionMetadata, kv_cache) -> None:
+    def write_pools(self, k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
         # the step's plan knows whether any slot is padding, so no layer's write has to look
-        reshape_and_cache(k, v, kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping,
-                          padded=meta.plan.padded)
+        reshape_and_cache(k, v, k_pool, v_pool, meta.slot_mapping, padded=meta.plan.padded)
 
     def attend(self, layer: int, q, k, v, meta: AttentionMetadata, kv_cache, scale: float):
-        self.write(layer, k, v, meta, kv_cache)
-        return paged_attention_sdpa(q, kv_cache.k[layer], kv_cache.v[layer], meta.plan, scale)
+        return self.attend_pools(kv_cache.k[layer], kv_cache.v[layer], q, k, v, meta, scale)
+
+    def attend_pools(self, k_pool, v_pool, q, k, v, meta: AttentionMetadata, scale: float):
+        """Write and attend on one layer's pools [num_blocks, block_size, kv_heads, D], passed in (the
+        replayed step, radarlab.models.replay, resolves each layer's once)."""
+        self.write_pools(k, v, k_pool, v_pool, meta)
+        return paged_attention_sdpa(q, k_pool, v_pool, meta.plan, scale)
 
 
 class CpuBackend(TorchSDPABackend):
     """The C++ operators' write (vLLM's reshape_and_cache) and decode kernel; chunks stay on SDPA."""
     decode_kernel = True
 
-    def write(self, layer: int, k, v, meta: AttentionMetadata, kv_cache) -> None:
-        load_cpu_ops().reshape_and_cache(k, v, kv_cache.k[layer], kv_cache.v[layer], meta.slot_mapping)
+    def write_pools(self, k, v, k_pool, v_pool, meta: AttentionMetadata) -> None:
+        load_cpu_ops().reshape_and_cache(k, v, k_pool, v_pool, meta.slot_mapping)
