@@ -137,9 +137,10 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         max_tokens = self.job().max_tokens  # checks batch_sizes, dtypes and seed, naming the field
         require_int("repeat", self.repeat)
-        if self.repeat >= max_tokens:
-            raise ValueError(f"repeat must be below max_tokens ({max_tokens}): each profiled step "
-                             f"decodes one token of every request, got {self.repeat}")
+        if 2 * self.repeat + 1 >= max_tokens:
+            raise ValueError(f"repeat must be below (max_tokens - 1) / 2 = {(max_tokens - 1) / 2:g}: one "
+                             f"step, then `repeat` profiled and `repeat` timed steps each decode one token "
+                             f"of every request (max_tokens {max_tokens}), got {self.repeat}")
 
 
 def decode_ready_engine(model, batch_size: int, job=None):
@@ -170,16 +171,55 @@ def run(config: ProfileConfig, log: Callable[[str], None] = print) -> list[dict]
     from radarlab.device import default_device
     from radarlab.models.llama import Llama
 
+    from radarlab.lab.measure import measure_machine
+
+    device = default_device()
+    bandwidth = measure_machine(device).bandwidth  # in this process, at its thread count
     rows = []
     for dtype in config.dtypes:
-        model = Llama.from_pretrained(config.model, dtype=getattr(torch, dtype), device=default_device())[0]
+        model = Llama.from_pretrained(config.model, dtype=getattr(torch, dtype), device=device)[0]
         for batch_size in config.batch_sizes:
             engine = decode_ready_engine(model, batch_size, config.job())
             engine.step()  # one decode step first: anything built on first use is built outside the profile
             row = {"dtype": dtype, "batch_size": batch_size, **op_breakdown(engine.step, config.repeat)}
-            log(f"decode step, {dtype}, batch {batch_size}:\n{format_breakdown(row)}\n")
+            row["unprofiled"] = step_bandwidth(engine, config.repeat, bandwidth)
+            log(f"decode step, {dtype}, batch {batch_size}:\n{format_breakdown(row)}\n"
+                f"{format_bandwidth(row['unprofiled'])}\n")
             rows.append(row)
     return rows
+
+
+def step_bandwidth(engine, steps: int, bandwidth: float) -> dict:
+    """The next `steps` decode steps timed without the profiler (the fastest counts), and the bytes
+    a decode step must read (radarlab.lab.roofline.decode_step: the weights once, each sequence's KV
+    at its context now) over that time, as a fraction of the read bandwidth measured in this run:
+    how close the step comes to its limit at batch 1, prefill excluded."""
+    import torch
+
+    from radarlab.lab.roofline import TransformerDims, decode_step
+
+    times = []
+    for _ in range(require_int("steps", steps)):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    reqs = engine.last_scheduled.requests
+    context = round(sum(r.num_computed_tokens for r in reqs) / len(reqs))
+    dtype = next(engine.model.parameters()).dtype
+    precision = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+    step = decode_step(TransformerDims.from_config(engine.model.config), len(reqs), context, precision,
+                       precision)
+    return {"step_ms": 1e3 * min(times), "step_ms_runs": [1e3 * t for t in times], "context": context,
+            "bytes_per_step": step.bytes, "read_bandwidth_gb_s": bandwidth / 1e9,
+            "bandwidth_fraction": step.bytes / min(times) / bandwidth,
+            "replayed": engine.runner.replay is not None}
+
+
+def format_bandwidth(u: dict) -> str:
+    mode = "replayed" if u["replayed"] else "eager"
+    return (f"without the profiler: {u['step_ms']:.1f} ms per step ({mode}), {u['bytes_per_step'] / 1e6:.0f} MB "
+            f"read at context {u['context']}: {u['bytes_per_step'] / u['step_ms'] / 1e6:.1f} GB/s, "
+            f"{u['bandwidth_fraction']:.2f} of the {u['read_bandwidth_gb_s']:.1f} GB/s measured in this run")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

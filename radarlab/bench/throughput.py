@@ -109,6 +109,24 @@ def format_ratios(path: Path, doc: dict) -> str:
     return "\n".join(lines)
 
 
+def format_modes(doc: dict) -> str:
+    """Both engines' eager and default modes from one run, per dtype and batch size: what each one's
+    default (radarlab: replayed steps; vLLM: compiled) buys over its own eager mode, and the two
+    like-for-like comparisons. Cells that lack one of the four systems are left out."""
+    tps = {(r["system"], r["dtype"], r["batch_size"]): r["tokens_per_s"] for r in doc["results"]}
+    lines = []
+    for row in doc["ratios"]:
+        d, b = row["dtype"], row["batch_size"]
+        rl, rl_eager, vl, vl_eager = (tps.get((s, d, b)) for s in ("radarlab", "radarlab_eager", "vllm",
+                                                                  "vllm_eager"))
+        if None in (rl, rl_eager, vl, vl_eager):
+            continue
+        lines.append(f"{d} batch {b}: replaying buys radarlab {rl / rl_eager:.2f}x, compiling buys vLLM "
+                     f"{vl / vl_eager:.2f}x; radarlab / vLLM eager against eager {rl_eager / vl_eager:.2f}x, "
+                     f"default against default {rl / vl:.2f}x")
+    return "\n".join(lines)
+
+
 def dtype_notes(native_bf16: bool | None) -> dict[str, str]:
     """The dtype tricks a reader must know to read a row, by dtype: on a CPU without bf16
     instructions, radarlab's bf16 matmuls of 16+ rows run in fp32 (radarlab.models.linear)."""

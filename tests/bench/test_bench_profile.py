@@ -54,7 +54,7 @@ def test_launching_ops_counts_ops_that_compute_and_leaves_out_views():
 
 @pytest.mark.parametrize("field, value, match", [
     ("repeat", 0, "repeat"), ("batch_sizes", (), "batch_sizes"), ("dtypes", ("int8",), "dtypes"),
-    ("repeat", 64, "below max_tokens"), ("seed", -1, "seed")])
+    ("repeat", 32, r"below \(max_tokens - 1\) / 2 = 31.5"), ("seed", -1, "seed")])
 def test_a_bad_profile_config_names_its_field(field, value, match):
     from radarlab.bench.profile import ProfileConfig
 
@@ -91,6 +91,29 @@ def test_the_command_line_writes_each_cell_as_json(tmp_path, capsys):
     (row,) = doc["results"]
     assert (row["dtype"], row["batch_size"]) == ("float32", 2)
     assert sum(row["groups"].values()) == pytest.approx(row["wall_ms"], rel=1e-6)
-    assert doc["environment"]["cpu_kind"] and "decode step, float32, batch 2" in capsys.readouterr().out
+    u = row["unprofiled"]  # the next step, timed without the profiler, against this run's bandwidth
+    assert len(u["step_ms_runs"]) == 1 and u["step_ms"] == pytest.approx(u["step_ms_runs"][0])
+    assert u["replayed"] is True and u["context"] > 16 and u["read_bandwidth_gb_s"] > 0
+    assert u["bandwidth_fraction"] == pytest.approx(u["bytes_per_step"] / (u["step_ms"] / 1e3)
+                                                    / (u["read_bandwidth_gb_s"] * 1e9))
+    printed = capsys.readouterr().out
+    assert doc["environment"]["cpu_kind"] and "decode step, float32, batch 2" in printed
+    assert "without the profiler:" in printed and "ms per step (replayed)" in printed
     with pytest.raises(SystemExit):
         main(["profile", "--dtypes", "float64"])
+
+
+def test_step_bandwidth_counts_the_weights_and_the_kv_read(tiny):
+    """bytes per step = the weights once + each sequence's KV at its context (lab.roofline.decode_step)."""
+    from radarlab.bench.profile import decode_ready_engine, step_bandwidth
+    from radarlab.bench.throughput import ThroughputConfig
+    from radarlab.lab.roofline import TransformerDims, decode_step
+
+    config = ThroughputConfig(max_tokens=8, min_prompt_len=4, max_prompt_len=40, block_size=8)
+    engine = decode_ready_engine(tiny, 3, config)
+    u = step_bandwidth(engine, 2, bandwidth=1e9)
+    assert len(u["step_ms_runs"]) == 2 and u["step_ms"] == min(u["step_ms_runs"])
+    contexts = [r.num_computed_tokens for r in engine.last_scheduled.requests]
+    assert u["context"] == round(sum(contexts) / 3)
+    assert u["bytes_per_step"] == decode_step(TransformerDims.from_config(tiny.config), 3, u["context"],
+                                              "fp32", "fp32").bytes

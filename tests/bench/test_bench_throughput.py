@@ -13,6 +13,7 @@ from radarlab.bench.throughput import (
     Measurement,
     ThroughputConfig,
     dtype_notes,
+    format_modes,
     format_ratios,
     format_run_header,
     format_table,
@@ -283,3 +284,12 @@ def test_the_table_shows_what_compiling_buys_vllm():
     eager_only = report(ThroughputConfig(batch_sizes=(1,), dtypes=("float32",),
                                          systems=("radarlab", "vllm_eager")), [ms[0], ms[2]], {})
     assert "vllm / vllm_eager" not in format_table(eager_only)
+
+
+def test_the_modes_line_sets_each_engine_beside_its_own_eager_mode():
+    ms = [m("radarlab", 1, 30), m("radarlab_eager", 1, 24), m("vllm", 1, 25), m("vllm_eager", 1, 16),
+          m("radarlab", 16, 300), m("vllm", 16, 330)]
+    doc = report(ThroughputConfig(batch_sizes=(1, 16), dtypes=("float32",),
+                                  systems=("radarlab", "radarlab_eager", "vllm", "vllm_eager")), ms, {})
+    assert format_modes(doc) == ("float32 batch 1: replaying buys radarlab 1.25x, compiling buys vLLM 1.56x; "
+                                 "radarlab / vLLM eager against eager 1.50x, default against default 1.20x")

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from radarlab.sample.sampler import apply_top_k_top_p
+from radarlab.sample.sampler import apply_top_k_top_p, sample
+from radarlab.sample.sampling_params import SamplingParams
 
 
 def kept(logits, top_k=0, top_p=1.0) -> list[int]:
@@ -41,3 +42,20 @@ def test_top_k_keeps_k_and_ties_at_the_kth_value():
 @pytest.mark.parametrize("top_k", [0, 4, 10])
 def test_no_filter_keeps_everything(top_k):
     assert kept([1.0, 2.0, 3.0, 4.0], top_k=top_k) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_rows_pick_the_first_largest_logit_in_any_dtype(dtype):
+    """Greedy takes the argmax in the logits' own dtype: ties go to the first index, a one-ulp lead
+    wins, as the argmax of the values widened to fp32 does; sampled rows still draw from fp32."""
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300).to(dtype)
+    logits[0, [7, 9]] = logits[0].max() + 1  # a tie: the first of the two
+    logits[1] = logits[1].clamp(max=3.0)
+    logits[1, 11], logits[1, 12] = 5.0, 5.0 + 4 * torch.finfo(dtype).eps  # one ulp apart, in [4, 8)
+    params = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    gens = [None, None, torch.Generator().manual_seed(3), None]
+    got = sample(logits, params, gens)
+    want = logits.float().argmax(-1).tolist()
+    assert got[0] == 7 and got[1] == 12 == want[1] and got[3] == want[3]
+    assert 0 <= got[2] < 300
