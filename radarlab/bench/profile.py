@@ -169,9 +169,8 @@ def run(config: ProfileConfig, log: Callable[[str], None] = print) -> list[dict]
     import torch
 
     from radarlab.device import default_device
-    from radarlab.models.llama import Llama
-
     from radarlab.lab.measure import measure_machine
+    from radarlab.models.llama import Llama
 
     device = default_device()
     bandwidth = measure_machine(device).bandwidth  # in this process, at its thread count
@@ -217,8 +216,9 @@ def step_bandwidth(engine, steps: int, bandwidth: float) -> dict:
 
 def format_bandwidth(u: dict) -> str:
     mode = "replayed" if u["replayed"] else "eager"
-    return (f"without the profiler: {u['step_ms']:.1f} ms per step ({mode}), {u['bytes_per_step'] / 1e6:.0f} MB "
-            f"read at context {u['context']}: {u['bytes_per_step'] / u['step_ms'] / 1e6:.1f} GB/s, "
+    return (f"without the profiler: {u['step_ms']:.1f} ms per step ({mode}), "
+            f"{u['bytes_per_step'] / 1e6:.0f} MB read at context {u['context']}: "
+            f"{u['bytes_per_step'] / u['step_ms'] / 1e6:.1f} GB/s, "
             f"{u['bandwidth_fraction']:.2f} of the {u['read_bandwidth_gb_s']:.1f} GB/s measured in this run")
 
 
