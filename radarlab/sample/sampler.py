@@ -50,15 +50,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     if logits.dim() != 2 or not logits.shape[0] == len(params) == len(generators):
         raise ValueError(f"logits must be [B, V] with B = len(params) = len(generators); got "
                          f"{tuple(logits.shape)}, {len(params)}, {len(generators)}")
-    logits = logits.detach()
-    # one op for the batch, in the logits' own dtype: widening bf16 to fp32 is exact, so the argmax
-    # (first index of the largest value) is the same, without copying [B, V] to fp32 first
+    logits = logits.detach().float().cpu()
+    # one op for the batch, in fp32: torch's CPU argmax over bf16 rows ran 5x slower than the
+    # widening copy and an fp32 argmax together (measured on [64, 49152], AVX512-BF16, 2 threads)
     greedy = logits.argmax(-1).tolist() if any(p.greedy for p in params) else []
     out = []
-    for b, (p, gen) in enumerate(zip(params, generators)):
+    for b, (row, p, gen) in enumerate(zip(logits, params, generators)):
         if p.greedy:
             out.append(greedy[b])
             continue
-        row = logits[b].float().cpu()
         out.append(int(torch.multinomial(probabilities(row, p), 1, generator=gen)))
     return out

@@ -46,8 +46,8 @@ def test_no_filter_keeps_everything(top_k):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_greedy_rows_pick_the_first_largest_logit_in_any_dtype(dtype):
-    """Greedy takes the argmax in the logits' own dtype: ties go to the first index, a one-ulp lead
-    wins, as the argmax of the values widened to fp32 does; sampled rows still draw from fp32."""
+    """Greedy rows of any logits dtype: ties go to the first index and a one-ulp lead wins (the
+    argmax of the values widened to fp32); a sampled row beside them draws a valid token."""
     torch.manual_seed(0)
     logits = torch.randn(4, 300).to(dtype)
     logits[0, [7, 9]] = logits[0].max() + 1  # a tie: the first of the two
