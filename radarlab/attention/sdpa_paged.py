@@ -38,6 +38,11 @@ from radarlab.attention.cpu_decode import paged_decode_cpu
 from radarlab.kvcache.block_table import compute_slot_mapping
 
 DECODES_PER_BUCKET = 16  # a bucket per this many decodes, up to max_buckets (measured: no gain at 16)
+# With the C++ kernel, a sequence with at most this many queries (a speculative verify step: the last
+# token and its k drafts) goes to the kernel too, as that many decode rows: query i of the chunk
+# attends to the first (seq_len - n + i + 1) tokens, which is causal attention. Each row reads the
+# context again, so long chunks stay on SDPA, which reads it once for all of them.
+KERNEL_MAX_QUERIES = 8
 
 
 @dataclass(frozen=True)
@@ -60,7 +65,8 @@ class DecodeBucket:
 
 @dataclass(frozen=True)
 class KernelDecodes:
-    """Every decode of the step, for the C++ kernel (cpu_decode.py): no gather, no padding."""
+    """Every decode of the step, and every query of its short chunks (KERNEL_MAX_QUERIES), for the
+    C++ kernel (cpu_decode.py): no gather, no padding. A chunk's sequence has one row per query."""
     rows: torch.Tensor | None  # [n] int64 q rows of the decodes; None: every row of the step, in order
     block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
     seq_lens: torch.Tensor  # [n] int32
@@ -90,7 +96,8 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     """The per-step part of paged attention. The caller has validated the block tables (layout.py):
     only entries below cdiv(seq_len, block_size) are read. With the step's slot_mapping, the plan
     also says whether any slot is padding (-1), so that no layer's KV write has to check again.
-    decode_kernel: the decodes go to the C++ kernel (cpu_decode.py; CPU tensors), not to SDPA."""
+    decode_kernel: the decodes, and the chunks of at most KERNEL_MAX_QUERIES queries, go to the C++
+    kernel (cpu_decode.py; CPU tensors), not to SDPA."""
     seq_lens = seq_lens.long()
     query_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     device = block_tables.device
@@ -99,9 +106,11 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     bounds, lens, decodes = query_start_loc.tolist(), seq_lens.tolist(), is_decode.tolist()
     padded = slot_mapping is None or bool((slot_mapping < 0).any())
     seqs = [b for b, d in enumerate(decodes) if d]
-    kernel = None
-    if decode_kernel and seqs:
-        kernel = _kernel_decodes(seqs, lens, block_tables, query_start_loc, all(decodes))
+    kernel, short = None, set()
+    if decode_kernel:
+        short = {b for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])) if 0 < hi - lo <= KERNEL_MAX_QUERIES}
+        if short:
+            kernel = _kernel_decodes(sorted(short), bounds, lens, block_tables, all(decodes))
         seqs = []
     num_buckets = max(1, min(max_buckets, len(seqs) // DECODES_PER_BUCKET))
     if num_buckets > 1:
@@ -112,7 +121,7 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
                     for i in range(0, len(seqs), size)) if seqs else ()
     prefills = []
     for b, (lo, hi, seq_len, decode) in enumerate(zip(bounds, bounds[1:], lens, decodes)):
-        if decode or hi == lo:
+        if decode or hi == lo or b in short:
             continue
         keys = torch.arange(seq_len, device=device)[None, :]
         slots = compute_slot_mapping(block_tables[b:b + 1], keys, block_size)[0]
@@ -125,13 +134,17 @@ def plan_paged_sdpa(block_tables: torch.Tensor, seq_lens: torch.Tensor, query_st
     return PagedSDPAPlan(bounds[-1], buckets, tuple(prefills), padded, kernel)
 
 
-def _kernel_decodes(seqs: list[int], lens: list[int], block_tables, query_start_loc,
+def _kernel_decodes(seqs: list[int], bounds: list[int], lens: list[int], block_tables,
                     in_order: bool) -> KernelDecodes:
-    index = torch.tensor(seqs, device=block_tables.device)
+    """One kernel row per query of the sequences `seqs`: q row lo + i of a sequence with n queries
+    attends to its first lens - n + i + 1 tokens."""
+    entries = [(b, lo + i, lens[b] - (hi - lo) + i + 1) for b in seqs
+               for lo, hi in [(bounds[b], bounds[b + 1])] for i in range(hi - lo)]
+    index = torch.tensor([b for b, _, _ in entries], device=block_tables.device)
     tables = block_tables if in_order else block_tables[index]
-    rows = None if in_order else query_start_loc[:-1].long()[index]
+    rows = None if in_order else torch.tensor([r for _, r, _ in entries], device=block_tables.device)
     return KernelDecodes(rows, tables.to(torch.int32).contiguous(),
-                         torch.tensor([lens[b] for b in seqs], dtype=torch.int32), max(lens[b] for b in seqs))
+                         torch.tensor([n for _, _, n in entries], dtype=torch.int32), max(lens[b] for b in seqs))
 
 
 def _bucket(seqs: list[int], lens: list[int], block_tables, query_start_loc, block_size: int,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from radarlab.attention.cpu_decode import paged_decode_cpu
-from radarlab.attention.sdpa_paged import paged_attention_sdpa, plan_paged_sdpa
+from radarlab.attention.sdpa_paged import KERNEL_MAX_QUERIES, paged_attention_sdpa, plan_paged_sdpa
 from radarlab.cpu_ops import load_cpu_ops
 from radarlab.device import cpu_arch, cpu_flags
 
@@ -110,14 +110,18 @@ def test_the_result_does_not_depend_on_the_thread_count():
     assert torch.equal(one, two)
 
 
-def test_the_engine_plan_sends_decodes_to_the_kernel_and_chunks_to_sdpa():
-    """plan_paged_sdpa(decode_kernel=True): decodes through the kernel (no buckets), prefill chunks
-    through SDPA, in one step; equal to the reference."""
-    lens, q_lens = [7, 40, 3, 18, 1, 25], [1, 6, 1, 18, 1, 1]
+def test_the_engine_plan_sends_decodes_and_short_chunks_to_the_kernel_and_long_chunks_to_sdpa():
+    """plan_paged_sdpa(decode_kernel=True): decodes through the kernel (no buckets), and a 6-query chunk
+    (a verify step) as 6 kernel rows, query i over the first 35 + i tokens; the 18-query prefill and
+    a chunk one query past KERNEL_MAX_QUERIES through SDPA, in one step; equal to the reference."""
+    long = KERNEL_MAX_QUERIES + 1
+    lens, q_lens = [7, 40, 3, 18, 1, 25, 30], [1, 6, 1, 18, 1, 1, long]
     case = make_case(lens, q_lens, 4, 9, 3, 64, seed=6)
     plan = plan_paged_sdpa(case.block_tables, case.seq_lens, case.query_start_loc, 4, decode_kernel=True)
-    assert plan.decodes == () and plan.kernel is not None and plan.context == 25
-    assert plan.kernel.rows.tolist() == [0, 7, 26, 27] and len(plan.prefills) == 2
+    assert plan.decodes == () and plan.kernel is not None and plan.context == 40
+    assert plan.kernel.rows.tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 26, 27]
+    assert plan.kernel.seq_lens.tolist() == [7, 35, 36, 37, 38, 39, 40, 3, 1, 25]
+    assert [(p.lo, p.hi) for p in plan.prefills] == [(8, 26), (28, 28 + long)]
     out = paged_attention_sdpa(case.q, case.k_cache, case.v_cache, plan, case.scale)
     assert max_error(out, case.expected) < TOL
     decodes_only = plan_paged_sdpa(case.block_tables[[0, 2]], case.seq_lens[[0, 2]], torch.arange(3), 4,
