@@ -144,7 +144,8 @@ def _kernel_decodes(seqs: list[int], bounds: list[int], lens: list[int], block_t
     tables = block_tables if in_order else block_tables[index]
     rows = None if in_order else torch.tensor([r for _, r, _ in entries], device=block_tables.device)
     return KernelDecodes(rows, tables.to(torch.int32).contiguous(),
-                         torch.tensor([n for _, _, n in entries], dtype=torch.int32), max(lens[b] for b in seqs))
+                         torch.tensor([n for _, _, n in entries], dtype=torch.int32),
+                         max(lens[b] for b in seqs))
 
 
 def _bucket(seqs: list[int], lens: list[int], block_tables, query_start_loc, block_size: int,

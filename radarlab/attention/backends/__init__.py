@@ -15,7 +15,10 @@ cpu_ops=...) and PagedKVCache(...) decide):
 Each configuration, then its backend; its KV write; its attention:
 
 - backend="torch", 16/32-bit, C++ ops built: CpuBackend; torch.ops.radarlab.reshape_and_cache;
-  decodes: cpu_decode.paged_decode_cpu (check=False; the C++ paged_decode), chunks: sdpa_paged
+  decodes and chunks of at most sdpa_paged.KERNEL_MAX_QUERIES queries (verify steps):
+  cpu_decode.paged_decode_cpu (check=False; the C++ paged_decode), longer chunks: sdpa_paged. The
+  engine's replayed step (models/replay.py) calls the same two through CpuBackend's write_pools and
+  attend_pools
 - backend="torch", 16/32-bit, no C++ ops: TorchSDPABackend; kv_write.reshape_and_cache;
   sdpa_paged.paged_attention_sdpa
 - backend="triton", 16/32-bit: TritonBackend; triton_paged.triton_reshape_and_cache;
