@@ -13,17 +13,24 @@ The packed copy costs the weight's size once more. Its sums are ordered differen
 differ from F.linear by ~1e-4 on N(0, 1) data; bf16 results came out identical.
 
 The packed path runs only when nothing needs a gradient (training takes F.linear), for fp32 weights,
-and for bf16 only on CPUs with bf16 instructions. The packed copy is remade when the weight is
+and for bf16 wherever oneDNN has bf16 GEMMs (below). The packed copy is remade when the weight is
 replaced or written in place through autograd's version counter (load_state_dict, in-place ops under
 no_grad, .to()); a write through `weight.data` bypasses that counter and is not seen.
 
-Upcasting. On an AVX2-only CPU (no AVX512-BF16, no AMX) torch has no fast bf16 GEMM: measured
-there, a [64, 576] x [576, 1536] bf16 matmul takes 11 ms against 2.4 ms in fp32, and vLLM's CPU build
-pays the same price. Upcasting both operands to fp32, multiplying, and rounding the result back to
-bf16 gives the numbers a native bf16 GEMM gives (bf16 products are exact in fp32 and GEMMs accumulate
-in fp32 anyway), so the model stays a bf16 model: bf16 weights in memory, bf16 activations between
-layers. For a few rows the weight conversion costs more than it saves, so small batches keep the
-native path. GPUs take the native path.
+bf16 on the three kinds of x86 CPU. With AVX512-BF16 or AMX, oneDNN multiplies bf16 natively and
+bf16 always packs. With AVX-512F alone, oneDNN still has bf16 GEMMs (it widens the operands to fp32
+inside its kernel): they pack, and beat F.linear's bf16 at small batches (measured with 2 threads,
+1 row: [576 -> 3072] 164 -> 108 us, the LM head 4.8 -> 3.4 ms; 16 rows 1202 -> 1128 us). On an
+AVX2-only CPU oneDNN has no bf16 GEMM and torch's is slow: a [64, 576] x [576, 1536] bf16 matmul took
+11 ms against 2.4 ms in fp32 there, and vLLM's CPU build pays the same price.
+
+Upcasting. Without bf16 instructions, converting both operands to fp32, multiplying, and rounding the
+result back to bf16 gives the numbers a native bf16 GEMM gives (bf16 products are exact in fp32 and
+GEMMs accumulate in fp32 anyway), so the model stays a bf16 model: bf16 weights in memory, bf16
+activations between layers. Converting the weight costs the same at every call, so it pays only from
+enough rows: 16 on AVX2, against torch's bf16 GEMM; 64 on AVX-512F, against oneDNN's packed bf16
+(there 48 rows of [576 -> 3072] took 3.2 ms packed and 3.0 upcast, 64 rows 4.3 and 2.4).
+upcast_min_rows() holds the rule. GPUs take the native path.
 """
 from __future__ import annotations
 
@@ -34,7 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-UPCAST_MIN_ROWS = 16  # below this the native bf16 GEMM is as fast (measured: 1 row 0.36 ms vs 0.84 ms)
+UPCAST_MIN_ROWS = 16  # AVX2: below this torch's bf16 GEMM is as fast (measured: 1 row 0.36 ms vs 0.84 ms)
+UPCAST_MIN_ROWS_ONEDNN = 64  # AVX-512F without bf16: below this oneDNN's packed bf16 is faster
 # oneDNN picks the packed layout for an expected row count. In fp32, 64 was fastest at 1, 16 and 64
 # rows alike (1 row: 59 us vs 79 us packed for 1; 16 rows: 132 us vs 208 us, on [576 -> 3072]); bf16
 # did not care (within 5%).
@@ -52,6 +60,21 @@ def cpu_has_native_half() -> bool:
 
 
 @functools.cache
+def onednn_bf16() -> bool:
+    """True if oneDNN has bf16 GEMMs on this CPU: native with AVX512-BF16 or AMX, widened to fp32 in
+    its kernel with AVX-512F alone; False on AVX2."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def upcast_min_rows() -> int:
+    """From how many rows a bf16 matmul runs in fp32, on a CPU without bf16 instructions."""
+    return UPCAST_MIN_ROWS_ONEDNN if onednn_bf16() else UPCAST_MIN_ROWS
+
+
+@functools.cache
 def onednn_packed_gemm() -> bool:
     """True if this torch build has oneDNN's packed-weight linear."""
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -60,10 +83,13 @@ def onednn_packed_gemm() -> bool:
 
 def packs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Does this matmul take oneDNN's packed path? A CPU inference matmul in fp32, or in bf16 where
-    the CPU has bf16 instructions."""
+    oneDNN has bf16 GEMMs and the matmul does not upcast."""
     if weight.device.type != "cpu" or x.dtype != weight.dtype:
         return False
-    if weight.dtype != torch.float32 and not (weight.dtype == torch.bfloat16 and cpu_has_native_half()):
+    if weight.dtype == torch.bfloat16:
+        if not (cpu_has_native_half() or (onednn_bf16() and not upcasts(x, weight))):
+            return False
+    elif weight.dtype != torch.float32:
         return False
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return False  # the packed op has no backward
@@ -72,9 +98,16 @@ def packs(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
 
 def upcasts(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Does this matmul take the fp32 path? Half-precision weights, on a CPU without half GEMMs,
-    with enough rows to amortise converting the weight."""
+    with enough rows to amortise converting the weight (upcast_min_rows)."""
     return (weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu"
-            and x.numel() >= UPCAST_MIN_ROWS * x.shape[-1] and not cpu_has_native_half())
+            and not cpu_has_native_half() and x.numel() >= upcast_min_rows() * x.shape[-1])
+
+
+def path_depends_on_rows(weight: torch.Tensor) -> bool:
+    """Does the number of rows choose this weight's path (packed, upcast or F.linear)? Half-precision
+    weights on a CPU without bf16 instructions; a replayed step then picks per call."""
+    return weight.dtype in (torch.bfloat16, torch.float16) and weight.device.type == "cpu" \
+        and not cpu_has_native_half()
 
 
 def _fingerprint(t: torch.Tensor | None):

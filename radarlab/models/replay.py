@@ -15,8 +15,8 @@ same order, so its logits are bit-identical to Llama.forward's (tests/models/tes
 What it covers: a Llama on a CPU with radarlab's C++ operators, over a 16/32-bit paged pool on the
 torch backend (CpuBackend, or TorchSDPABackend where the pool's C++ write is off). Anything else
 (quantized or rotated formats, Triton, a backend of one's own) runs Llama.forward; replay_refusal
-says why. Matmuls whose weight does not pack (bf16 on a CPU without bf16 instructions) call
-Linear.forward, which picks its path per call as in the eager model.
+says why. Where a matmul's path depends on its rows (bf16 on a CPU without bf16 instructions), both
+paths are captured and each step's rows pick one, by the eager model's rule (models/linear.py).
 
 When it captures again. The capture holds the weights as they were. Each step compares every
 parameter's storage and version counter with the capture's and captures again when one changed
@@ -38,7 +38,7 @@ from radarlab.attention.backends import BACKENDS, backend_of, ensure_built
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.input_batch import StepInputs
-from radarlab.models.linear import Linear, PackedWeight, packed_path
+from radarlab.models.linear import Linear, PackedWeight, packed_path, path_depends_on_rows, upcast_min_rows
 from radarlab.models.llama import Llama, check_inputs
 
 REPLAYED_BACKENDS = (BACKENDS["cpu"], BACKENDS["torch_sdpa"])
@@ -68,15 +68,9 @@ def replay_refusal(model, cache, attn_backend=None) -> str | None:
     return None
 
 
-def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
+def _gemm(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
     """x -> each layer's output (one tensor for one layer): one packed GEMM on the stacked weights,
-    as fused_linear runs it, or each Linear.forward where the weights do not pack."""
-    probe = torch.empty(0, layers[0].in_features, dtype=layers[0].weight.dtype)
-    if not packed_path(probe, layers, check_hooks=False):
-        forwards = tuple(layer.forward for layer in layers)
-        if len(forwards) == 1:
-            return forwards[0]
-        return lambda x: tuple(f(x) for f in forwards)
+    as fused_linear runs it."""
     packed = layers[0].packed if packed is None else packed
     weight, bias = packed.get([m.weight for m in layers], [m.bias for m in layers])
     gemm = torch.ops.mkldnn._linear_pointwise
@@ -84,6 +78,30 @@ def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable
         return lambda x: gemm(x, weight, bias, "none", [], "")
     sizes = [m.out_features for m in layers]
     return lambda x: gemm(x, weight, bias, "none", [], "").split(sizes, dim=-1)
+
+
+def _forwards(layers: tuple[Linear, ...]) -> Callable:
+    """x -> each layer's output through Linear.forward, which picks its path per call."""
+    forwards = tuple(layer.forward for layer in layers)
+    if len(forwards) == 1:
+        return forwards[0]
+    return lambda x: tuple(f(x) for f in forwards)
+
+
+def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
+    """The layers' matmul as the eager model runs it (fused_linear, Linear.forward): the packed GEMM
+    where the weights pack, else Linear.forward. Where the rows choose the path (bf16 on a CPU
+    without bf16 instructions), the step's rows pick between the two captured paths."""
+    dims = (layers[0].in_features,)
+    dtype = layers[0].weight.dtype
+    if path_depends_on_rows(layers[0].weight):
+        packs = packed_path(torch.empty(1, *dims, dtype=dtype), layers, check_hooks=False)
+        small = _gemm(layers, packed) if packs else _forwards(layers)
+        large, rows = _forwards(layers), upcast_min_rows()  # Linear.forward upcasts from `rows` rows
+        return lambda x: small(x) if x.shape[0] < rows else large(x)
+    if not packed_path(torch.empty(0, *dims, dtype=dtype), layers, check_hooks=False):
+        return _forwards(layers)
+    return _gemm(layers, packed)
 
 
 class ReplayedModel:

@@ -9,15 +9,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from radarlab.models import linear
-from radarlab.models.linear import UPCAST_MIN_ROWS, Linear, PackedWeight, fused_linear
+from radarlab.models.linear import UPCAST_MIN_ROWS, UPCAST_MIN_ROWS_ONEDNN, Linear, PackedWeight, fused_linear
 
 needs_onednn = pytest.mark.skipif(not linear.onednn_packed_gemm(),
                                   reason="torch built without oneDNN's packed linear")
 
 
-@pytest.fixture
-def no_native_half(monkeypatch):
-    monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
+# The three kinds of x86 CPU as the bf16 rule sees them: (bf16 instructions, oneDNN bf16 GEMMs).
+CPU_CLASSES = {"avx512_bf16": (True, True), "avx512": (False, True), "avx2": (False, False)}
+
+
+def as_cpu(monkeypatch, kind: str) -> None:
+    native, onednn = CPU_CLASSES[kind]
+    monkeypatch.setattr(linear, "cpu_has_native_half", lambda: native)
+    monkeypatch.setattr(linear, "onednn_bf16", lambda: onednn)
+    monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: True)
 
 
 @pytest.fixture
@@ -47,16 +53,25 @@ def test_state_dict_matches_nn_linear():
     torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("dtype, rows, expected", [
-    (torch.float32, 64, False),  # fp32 is already the fast path
-    (torch.bfloat16, UPCAST_MIN_ROWS - 1, False),  # too few rows to pay for converting the weight
-    (torch.bfloat16, UPCAST_MIN_ROWS, True),
-    (torch.float16, 64, True),
+@pytest.mark.parametrize("kind, dtype, rows, expected", [
+    ("avx2", torch.float32, 64, False),  # fp32 is already the fast path
+    ("avx2", torch.bfloat16, UPCAST_MIN_ROWS - 1, False),  # too few rows to pay for converting the weight
+    ("avx2", torch.bfloat16, UPCAST_MIN_ROWS, True),
+    ("avx2", torch.float16, 64, True),
+    ("avx512", torch.bfloat16, UPCAST_MIN_ROWS, False),  # oneDNN's packed bf16 is faster there
+    ("avx512", torch.bfloat16, UPCAST_MIN_ROWS_ONEDNN - 1, False),
+    ("avx512", torch.bfloat16, UPCAST_MIN_ROWS_ONEDNN, True),
+    ("avx512_bf16", torch.bfloat16, 1024, False),
 ])
-def test_which_path(no_native_half, dtype, rows, expected):
+def test_which_path(monkeypatch, kind, dtype, rows, expected):
+    as_cpu(monkeypatch, kind)
     w = torch.zeros(4, 8, dtype=dtype)
     assert linear.upcasts(torch.zeros(rows, 8, dtype=dtype), w) is expected
     assert linear.upcasts(torch.zeros(2, rows // 2 or 1, 8, dtype=dtype), w) is (expected and rows % 2 == 0)
+    assert linear.path_depends_on_rows(w) is (dtype != torch.float32 and kind != "avx512_bf16")
+    with torch.no_grad():  # bf16 packs where oneDNN has bf16 GEMMs and the matmul does not upcast
+        packs = linear.packs(torch.zeros(rows, 8, dtype=dtype), w)
+    assert packs is (dtype == torch.float32 or (dtype == torch.bfloat16 and kind != "avx2" and not expected))
 
 
 def test_native_half_cpu_never_upcasts(monkeypatch):
@@ -65,11 +80,13 @@ def test_native_half_cpu_never_upcasts(monkeypatch):
                               torch.zeros(4, 8, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("kind", ["avx2", "avx512"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_upcast_equals_fp32_math_rounded_to_bf16(no_native_half, bias):
+def test_upcast_equals_fp32_math_rounded_to_bf16(monkeypatch, kind, bias):
+    as_cpu(monkeypatch, kind)
     torch.manual_seed(1)
     layer = Linear(96, 48, bias=bias).to(torch.bfloat16)
-    x = torch.randn(32, 96).to(torch.bfloat16)
+    x = torch.randn(UPCAST_MIN_ROWS_ONEDNN, 96).to(torch.bfloat16)
     out = layer(x)
     assert out.dtype == torch.bfloat16
     b = None if layer.bias is None else layer.bias.float()
@@ -102,7 +119,8 @@ def test_packed_fp32_equals_f_linear(shape, bias):
 
 
 @needs_onednn
-@pytest.mark.skipif(not linear.cpu_has_native_half(), reason="bf16 packs only on CPUs with bf16 instructions")
+@pytest.mark.skipif(not linear.onednn_bf16(), reason="oneDNN has no bf16 GEMM on this CPU (AVX2): bf16 never "
+                    "packs here, which test_which_path checks")
 @pytest.mark.parametrize("bias", [False, True])
 def test_packed_bf16_equals_f_linear_to_bf16_rounding(bias):
     torch.manual_seed(0)
@@ -117,14 +135,13 @@ def test_packed_bf16_equals_f_linear_to_bf16_rounding(bias):
 
 
 def test_which_layers_pack(monkeypatch):
-    monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: True)
-    monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
+    as_cpu(monkeypatch, "avx2")
     w32, x32 = nn.Parameter(torch.zeros(4, 8)), torch.zeros(2, 8)
     bf = torch.zeros(4, 8, dtype=torch.bfloat16)
     assert not linear.packs(x32, w32)  # grad enabled and the weight requires it: training
     with torch.no_grad():
         assert linear.packs(x32, w32)
-        assert not linear.packs(bf[:2], bf)  # bf16 without bf16 instructions keeps the upcast path
+        assert not linear.packs(bf[:2], bf)  # bf16 without any oneDNN bf16 GEMM (AVX2) keeps F.linear
         assert not linear.packs(x32.double(), w32)  # dtypes differ
         monkeypatch.setattr(linear, "cpu_has_native_half", lambda: True)
         assert linear.packs(bf[:2], bf)

@@ -55,15 +55,19 @@ def _same(a, b) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("native_half", ["this CPU", False])
+@pytest.mark.parametrize("cpu", ["this CPU", "avx512", "avx2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", [None, NGRAM])
-def test_replay_equals_forward_bit_for_bit(tiny, dtype, native_half, spec, monkeypatch):
+def test_replay_equals_forward_bit_for_bit(tiny, dtype, cpu, spec, monkeypatch):
     """Prefill in chunks beside decodes, then decode (with n-gram verify steps): every step's logits
-    equal the eager forward's exactly. native_half=False is an AVX2 CPU's bf16 path (no packed
-    bf16 GEMM: Linear.forward, upcast from 16 rows); "this CPU" whatever this machine has."""
-    if native_half is False:
+    equal the eager forward's exactly. bf16 as each CPU kind runs it: "avx2" (no oneDNN bf16 GEMM:
+    F.linear, upcast from 16 rows), "avx512" (no bf16 instructions: packed bf16 below 64 rows, the
+    path chosen per call), "this CPU" whatever this machine has."""
+    if cpu != "this CPU":
+        if cpu == "avx512" and not linear.onednn_bf16():
+            pytest.skip("oneDNN has no bf16 GEMM on this CPU to run the AVX-512 path with")
         monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
+        monkeypatch.setattr(linear, "onednn_bf16", lambda: cpu == "avx512")
     model = copy.deepcopy(tiny).to(dtype)
     engine = Engine(model, num_blocks=64, block_size=8, max_num_seqs=4, max_num_batched_tokens=24,
                     speculative_config=spec)
