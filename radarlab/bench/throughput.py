@@ -127,11 +127,12 @@ def format_modes(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def dtype_notes(native_bf16: bool | None) -> dict[str, str]:
+def dtype_notes(native_bf16: bool | None, upcast_rows: int = 16) -> dict[str, str]:
     """The dtype tricks a reader must know to read a row, by dtype: on a CPU without bf16
-    instructions, radarlab's bf16 matmuls of 16+ rows run in fp32 (radarlab.models.linear)."""
+    instructions, radarlab's bf16 matmuls of upcast_rows+ rows run in fp32 (radarlab.models.linear:
+    16 on AVX2, 64 on AVX-512F; files kept before the bench recorded it are AVX2 runs)."""
     if native_bf16 is False:
-        return {"bfloat16": "radarlab's bf16 matmuls of 16+ rows run in fp32: this "
+        return {"bfloat16": f"radarlab's bf16 matmuls of {upcast_rows}+ rows run in fp32: this "
                             "CPU has no bf16 instructions"}
     return {}
 
@@ -385,13 +386,13 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     import torch
 
     from radarlab.lab.machine import environment
-    from radarlab.models.linear import cpu_has_native_half
+    from radarlab.models.linear import cpu_has_native_half, upcast_min_rows
 
     env = environment()
     env["torch_threads"] = torch.get_num_threads()
     env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     env["cpu_native_bf16"] = cpu_has_native_half()
-    env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"])
+    env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"], upcast_min_rows())
     env["radarlab_cpu_ops"] = cpu_ops_status()
     for system in VLLM_EAGER:
         env.update({f"{system}_{k}": v for k, v in info.get(system, {}).items()})

@@ -106,6 +106,7 @@ def test_bf16_rows_say_when_their_matmuls_run_in_fp32():
     doc["environment"]["cpu_native_bf16"] = True
     assert format_table(doc).splitlines()[0] == "output tokens/s, bfloat16"
     assert dtype_notes(True) == {} and set(dtype_notes(False)) == {"bfloat16"}
+    assert "matmuls of 64+ rows" in dtype_notes(False, 64)["bfloat16"]
 
 
 def test_results_path_is_one_file_per_cpu_kind():
