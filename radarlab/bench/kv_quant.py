@@ -405,6 +405,10 @@ def format_fp8_full_run(path: Path, doc: dict) -> str:
         change = "-" if r["ppl_delta_pct"] is None else f"{r['ppl_delta_pct']:+.2f}%"
         saving = "-" if r["kv_cache_dtype"] == "fp32" else f"{r['saving']:.0%}"
         lines.append(f"{r['name']:<52}{r['bits']:>6.3g}{saving:>8}{r['ppl']:>12.4f}{change:>9}{r['attn_err']:>10.2e}")
+    for r in fp8_rows(doc):
+        if r["kv_cache_dtype"] == "fp8_per_token_head":  # its scales are the bits past 8
+            lines.append(f"  ({r['name']}: {r['bits']:.3g} bits with radarlab's fp16 scales; vLLM's fp32 "
+                         f"scales would make it {8 + 2 * (r['bits'] - 8):.3g})")
     for c in doc["concurrency"]:
         lines.append(f"concurrency {c['kv_cache_dtype']:<12} {c['num_blocks']:>5} blocks, "
                      f"at most {c['max_running']} running, {c['mean_running']:.2f} on average, "

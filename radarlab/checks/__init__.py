@@ -36,7 +36,10 @@ from radarlab.checks.nb06_fp8 import (
 )
 from radarlab.checks.nb07_int4 import (
     check_int4_bytes_per_token,
+    check_kivi_key_dequant,
     check_kivi_keys,
+    check_kivi_value_dequant,
+    check_kivi_values,
     check_pack_nibbles,
     check_quantize_group,
     check_quantized_length,
@@ -52,6 +55,7 @@ from radarlab.checks.nb08_speculative import (
 from radarlab.checks.nb09_draft_models import (
     check_acceptance_counts,
     check_draft_forward,
+    check_draft_step_loss,
     check_first_costly_batch,
     check_ttt_loss,
     reference_acceptance_counts,
@@ -92,6 +96,9 @@ __all__ = [
     "reference_int4_bytes_per_token",
     "check_int4_bytes_per_token",
     "check_kivi_keys",
+    "check_kivi_values",
+    "check_kivi_key_dequant",
+    "check_kivi_value_dequant",
     "check_quantized_length",
     "check_expected_tokens_per_step",
     "check_verify_stochastic",
@@ -99,6 +106,7 @@ __all__ = [
     "check_rejection_sample",
     "reference_acceptance_counts",
     "check_draft_forward",
+    "check_draft_step_loss",
     "check_ttt_loss",
     "check_acceptance_counts",
     "reference_first_costly_batch",

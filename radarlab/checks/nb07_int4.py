@@ -1,5 +1,6 @@
 """Checkers of notebook 07 (INT4 KV cache): nibble packing, group-wise quantization, bytes per token, and
-the main exercise: KIVI's per-channel keys and quantized_length, the two functions a KIVI cache takes."""
+the main exercise: KIVI's codec, the functions a KIVI cache takes (keys per channel, values per token,
+both read back, and quantized_length)."""
 from __future__ import annotations
 
 from radarlab.checks.common import call_learner, first_tensor_difference, verdict
@@ -52,6 +53,58 @@ def reference_quantize_group(x, group_size: int):
     return unpack(packed), scales.float(), zeros.float()
 
 
+def _call_quantizer(fn, x, g: int, description: str):
+    """A learner's quantizer on a copy of x: ((codes, scales, zeros), None), or (None, the problem)."""
+    got, problem = call_learner(lambda: fn(x.clone(), g), description)
+    if problem is None and (not isinstance(got, (tuple, list)) or len(got) != 3):
+        problem = f"for {description} it returned {type(got).__name__}; expected (codes, scales, zeros)"
+    return got, problem
+
+
+def _group_problem(description: str, x, g: int, codes, scales, zeros) -> str | None:
+    """What is wrong with asymmetric INT4 codes, scales and zeros of x [..., n] in groups of g along the
+    last axis (shapes already checked), in plain words: dtype and range of the codes, zero = minimum,
+    scale = (max - min) / 15 to fp16 precision, every value back within half a step. None: right."""
+    import torch
+
+    groups = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    if codes.dtype != torch.uint8:
+        return f"for {description}, codes have dtype {codes.dtype}, expected torch.uint8"
+    if int(codes.max()) > 15:
+        return f"for {description}, a code is {int(codes.max())}: 4 bits hold 0..15 (clamp)"
+    s, z = scales.float(), zeros.float()
+    if not bool(torch.isfinite(s).all() & torch.isfinite(z).all()) or bool((s < 0).any()):
+        return (f"for {description}, the scales {s.flatten()[:4].tolist()} or zeros "
+                f"{z.flatten()[:4].tolist()} are not finite and >= 0")
+    if not torch.allclose(z, lo, rtol=2e-3, atol=1e-6):
+        i = int((~torch.isclose(z, lo, rtol=2e-3, atol=1e-6)).flatten().nonzero()[0])
+        return (f"for {description}, group {i}'s zero point is "
+                f"{z.flatten()[i].item():.6g}, expected its "
+                f"minimum {lo.flatten()[i].item():.6g} (asymmetric: code 0 stands for the "
+                "minimum)")
+    spread = hi > lo
+    want_s = (hi - lo) / 15
+    if not torch.allclose(s[spread], want_s[spread], rtol=2e-3, atol=0):
+        i = int((spread & ~torch.isclose(s, want_s, rtol=2e-3, atol=0)).flatten().nonzero()[0])
+        ratio = (s.flatten()[i] / want_s.flatten()[i]).item()
+        hint = " (16 levels have 15 steps between them)" if abs(ratio - 15 / 16) < 1e-3 else \
+            " (scale = (max - min) / 15)"
+        return (f"for {description}, group {i}'s scale is {s.flatten()[i].item():.6g}, "
+                f"expected {want_s.flatten()[i].item():.6g}{hint}")
+    back = (codes.float().reshape(groups.shape) * s[..., None] + z[..., None]).reshape(x.shape)
+    err = (back - x).abs().reshape(groups.shape)
+    allowed = s[..., None] / 2 * (1 + 1e-4) + 1e-6
+    if bool((err > allowed).any()):
+        idx = tuple(int(i) for i in (err > allowed).nonzero()[0])
+        flat = tuple(idx[:-2]) + (idx[-2] * g + idx[-1],)
+        return (f"for {description}, x{list(flat)} = {x[flat].item():.6g} comes back as "
+                f"{back[flat].item():.6g} (code {int(codes[flat])}), more than half a step "
+                f"({s[idx[:-1]].item():.4g} / 2) away: round((x - zero) / scale), then "
+                "clamp to 0..15")
+    return None
+
+
 def check_quantize_group(quantize_group) -> bool:
     """Check a learner's quantize_group(x, group_size) -> (codes, scales, zeros): asymmetric INT4 over
     groups of group_size consecutive values along the last axis, zero = the group's minimum, scale =
@@ -73,17 +126,12 @@ def check_quantize_group(quantize_group) -> bool:
         ("x of shape (4, 64) with one channel 20x larger, groups of 16", outlier, 16),
     ]
     for description, x, g in cases:
-        got, problem = call_learner(lambda: quantize_group(x.clone(), g), description)
+        got, problem = _call_quantizer(quantize_group, x, g, description)
         if problem:
             return verdict(name, problem)
-        if not isinstance(got, (tuple, list)) or len(got) != 3:
-            return verdict(name, f"for {description} it returned {type(got).__name__}; expected (codes, "
-                                 "scales, zeros)")
         codes, scales, zeros = got
-        groups = x.reshape(*x.shape[:-1], x.shape[-1] // g, g)
-        lo, hi = groups.amin(-1), groups.amax(-1)
-        for label, t, shape in (("codes", codes, x.shape), ("scales", scales, lo.shape),
-                                ("zeros", zeros, lo.shape)):
+        meta = (*x.shape[:-1], x.shape[-1] // g)  # one scale and zero point per group
+        for label, t, shape in (("codes", codes, x.shape), ("scales", scales, meta), ("zeros", zeros, meta)):
             if not isinstance(t, torch.Tensor):
                 return verdict(name, f"for {description}, {label} is a {type(t).__name__}, not a tensor")
             if tuple(t.shape) != tuple(shape):
@@ -91,40 +139,9 @@ def check_quantize_group(quantize_group) -> bool:
                                      f"{tuple(shape)}"
                                      + (" (one per group)" if label != "codes" else " (one code per value, "
                                                                                     "unpacked)"))
-        if codes.dtype != torch.uint8:
-            return verdict(name, f"for {description}, codes have dtype {codes.dtype}, expected torch.uint8")
-        if int(codes.max()) > 15:
-            return verdict(name,
-                           f"for {description}, a code is {int(codes.max())}: 4 bits hold 0..15 (clamp)")
-        s, z = scales.float(), zeros.float()
-        if not bool(torch.isfinite(s).all() & torch.isfinite(z).all()) or bool((s < 0).any()):
-            return verdict(name, f"for {description}, the scales {s.flatten()[:4].tolist()} or zeros "
-                                 f"{z.flatten()[:4].tolist()} are not finite and >= 0")
-        if not torch.allclose(z, lo, rtol=2e-3, atol=1e-6):
-            i = int((~torch.isclose(z, lo, rtol=2e-3, atol=1e-6)).flatten().nonzero()[0])
-            return verdict(name, f"for {description}, group {i}'s zero point is "
-                                 f"{z.flatten()[i].item():.6g}, expected its "
-                                 f"minimum {lo.flatten()[i].item():.6g} (asymmetric: code 0 stands for the "
-                                 "minimum)")
-        spread = hi > lo
-        want_s = (hi - lo) / 15
-        if not torch.allclose(s[spread], want_s[spread], rtol=2e-3, atol=0):
-            i = int((spread & ~torch.isclose(s, want_s, rtol=2e-3, atol=0)).flatten().nonzero()[0])
-            ratio = (s.flatten()[i] / want_s.flatten()[i]).item()
-            hint = " (16 levels have 15 steps between them)" if abs(ratio - 15 / 16) < 1e-3 else \
-                " (scale = (max - min) / 15)"
-            return verdict(name, f"for {description}, group {i}'s scale is {s.flatten()[i].item():.6g}, "
-                                 f"expected {want_s.flatten()[i].item():.6g}{hint}")
-        back = (codes.float().reshape(groups.shape) * s[..., None] + z[..., None]).reshape(x.shape)
-        err = (back - x).abs().reshape(groups.shape)
-        allowed = s[..., None] / 2 * (1 + 1e-4) + 1e-6
-        if bool((err > allowed).any()):
-            idx = tuple(int(i) for i in (err > allowed).nonzero()[0])
-            flat = tuple(idx[:-2]) + (idx[-2] * g + idx[-1],)
-            return verdict(name, f"for {description}, x{list(flat)} = {x[flat].item():.6g} comes back as "
-                                 f"{back[flat].item():.6g} (code {int(codes[flat])}), more than half a step "
-                                 f"({s[idx[:-1]].item():.4g} / 2) away: round((x - zero) / scale), then "
-                                 "clamp to 0..15")
+        problem = _group_problem(description, x, g, codes, scales, zeros)
+        if problem:
+            return verdict(name, problem)
     return verdict(name, None)
 
 
@@ -284,6 +301,124 @@ def _key_layout_problem(got, k, g) -> str | None:
             return (f"{label} have dtype {x.dtype}; the cache stores them in torch.float16: round them to "
                     "fp16 first, then compute the codes with the stored numbers")
     return None
+
+
+def _kivi_tensors(seed: int):
+    """Keys or values as the checkers give them: [T, H, D] with an outlier channel, and a constant one."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    outlier = torch.randn(64, 3, 64, generator=gen)
+    outlier[:, :, 7] *= 20
+    constant = torch.randn(8, 2, 16, generator=gen)
+    constant[:, 1, 4:8] = 2.5  # head 1's second group of 4 channels, every token
+    return [("random x of shape (64, 3, 64) with channel 7 20x larger, groups of 32", outlier, 32),
+            ("random x of shape (32, 2, 16), groups of 8", torch.randn(32, 2, 16, generator=gen), 8),
+            ("x of shape (8, 2, 16), groups of 4, head 1's channels 4..7 always 2.5 (no division by zero: "
+             "they must come back as 2.5)", constant, 4)]
+
+
+def check_kivi_values(quantize_values_per_token) -> bool:
+    """Check a learner's quantize_values_per_token(v, group_size) -> (codes, scales, zeros): values
+    [T, H, D], one asymmetric INT4 group per (token, head, group of g channels along head_dim), zeros
+    and scales stored in fp16 [T, H, D/g], codes uint8 [T, H, D] computed with the stored numbers."""
+    import torch
+
+    name = "kivi_values"
+    hand = torch.tensor([[0.0, 1.0, 2.0, 15.0, -1.0, 1.0, 3.0, 5.0], [4.0, 4.5, 5.0, 8.0, 0.0, 0.0, 0.0, 1.0],
+                         [-3.0, 0.0, 3.0, 6.0, 2.0, 2.0, 2.0, 2.0],
+                         [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]])[:, None]
+    cases = [("v of shape (4, 1, 8), groups of 4 channels; token 0 is [0, 1, 2, 15 | -1, 1, 3, 5] (zero 0 "
+              "and scale 1, then zero -1)", hand, 4)] + _kivi_tensors(17)
+    for description, v, g in cases:
+        got, problem = _call_quantizer(quantize_values_per_token, v, g, description)
+        if problem:
+            return verdict(name, problem)
+        t, h, d = v.shape
+        shapes = ((t, h, d), (t, h, d // g), (t, h, d // g))
+        for label, x, shape in zip(("codes", "scales", "zeros"), got, shapes):
+            if not isinstance(x, torch.Tensor):
+                return verdict(name, f"for {description}, {label} is a {type(x).__name__}, not a tensor")
+            if tuple(x.shape) != shape:
+                hint = (" (one code per value, unpacked)" if label == "codes" else
+                        " (that is the keys' layout, one per channel over g tokens: values take one per "
+                        "token, head and group of g channels along head_dim)"
+                        if tuple(x.shape) == (t // g, h, d) else
+                        " (one per token, head and group of g channels)")
+                return verdict(name, f"for {description}, {label} has shape {tuple(x.shape)}, expected "
+                                     f"{shape}{hint}")
+            if label != "codes" and x.dtype != torch.float16:
+                return verdict(name, f"for {description}, {label} have dtype {x.dtype}; the cache stores "
+                                     "them in torch.float16: round them to fp16 first, then compute the "
+                                     "codes with the stored numbers")
+        problem = _group_problem(description, v, g, *got)
+        if problem:
+            return verdict(name, problem)
+    return verdict(name, None)
+
+
+def _dequant_mistakes(keys: bool, codes, scales, zeros, g):
+    """(what is wrong, the values it gives) for plausible wrong dequantizers."""
+    c, s, z = codes.float(), scales.float(), zeros.float()
+    if keys:  # scales [T/g, H, D]: token t takes group t // g's
+        spread = lambda m: m.repeat_interleave(g, dim=0)
+        tiled = lambda m: m.repeat(g, 1, 1)
+        axis = "tokens"
+    else:  # scales [T, H, D/g]: channel c takes group c // g's
+        spread = lambda m: m.repeat_interleave(g, dim=-1)
+        tiled = lambda m: m.repeat(1, 1, g)
+        axis = "channels"
+    return [
+        ("it computed (code - zero) x scale; the zero point here is the group's minimum, a value, so "
+         "x = code x scale + zero", (c - spread(z)) * spread(s)),
+        ("the zero point was left out: x = code x scale + zero", c * spread(s)),
+        ("it subtracted 8 from the codes, the symmetric grid's centre; this grid is asymmetric: x = code x "
+         "scale + zero", (c - 8) * spread(s)),
+        (f"the groups' scales and zeros were tiled along {axis} (repeat), so position i read group i mod "
+         f"n's; each group's g {axis} take its own (repeat_interleave, or a reshape that puts the g "
+         f"{axis} of a group on their own axis)", c * tiled(s) + tiled(z)),
+        ("the scales and zeros were swapped: x = code x scale + zero", c * spread(z) + spread(s)),
+    ] if tuple(spread(s).shape) == tuple(c.shape) else []
+
+
+def _check_dequant(name: str, fn, keys: bool) -> bool:
+    """The two dequantizers' checker: radarlab's codes, scales and zeros in, radarlab's values out."""
+    import torch
+
+    from radarlab.quant import kivi
+
+    for description, x, g in _kivi_tensors(19 if keys else 23):
+        quantize, dequantize = ((kivi.quantize_key_codes, kivi.dequantize_key_codes) if keys else
+                                (kivi.quantize_value_codes, kivi.dequantize_value_codes))
+        codes, scales, zeros = quantize(x, g)
+        want = dequantize(codes, scales, zeros, g)
+        described = description.replace("random x", "the codes of random " + ("keys" if keys else "values"))
+        got, problem = call_learner(lambda: fn(codes.clone(), scales.clone(), zeros.clone(), g), described)
+        if problem:
+            return verdict(name, problem)
+        difference = first_tensor_difference(got, want, atol=1e-5, rtol=1e-5)
+        if difference is None:
+            continue
+        if "dtype" in difference:
+            return verdict(name, f"for {described} it returned {difference}: return float32 values (the "
+                                 "codes are uint8 and the scales fp16: .float() both)")
+        hint = next((what for what, wrong in _dequant_mistakes(keys, codes, scales, zeros, g)
+                     if isinstance(got, torch.Tensor) and got.shape == wrong.shape
+                     and torch.allclose(got.float(), wrong, atol=1e-5, rtol=1e-5)), None)
+        return verdict(name, f"for {described}: " + (hint or f"it returned {difference}"))
+    return verdict(name, None)
+
+
+def check_kivi_key_dequant(dequantize_keys_per_channel) -> bool:
+    """Check a learner's dequantize_keys_per_channel(codes [T, H, D], scales [T/g, H, D], zeros, g) ->
+    float32 [T, H, D]: code x scale + zero, each token with its token group's scale and zero."""
+    return _check_dequant("kivi_key_dequant", dequantize_keys_per_channel, keys=True)
+
+
+def check_kivi_value_dequant(dequantize_values_per_token) -> bool:
+    """Check a learner's dequantize_values_per_token(codes [T, H, D], scales [T, H, D/g], zeros, g) ->
+    float32 [T, H, D]: code x scale + zero, each channel with its channel group's scale and zero."""
+    return _check_dequant("kivi_value_dequant", dequantize_values_per_token, keys=False)
 
 
 def check_quantized_length(quantized_length) -> bool:

@@ -241,6 +241,95 @@ def _ttt_problem(calls, got, want, batch, lm_rows, vocab_index, reg_weight) -> s
     return hint or f"the loss is {got:.6g}, expected {want:.6g}"
 
 
+def _step_loss_mistakes(g, labels, target_feat, lm_rows, reg_weight):
+    """(what is wrong, the loss it gives) for plausible wrong scores of one draft step."""
+    import torch.nn.functional as F
+
+    logits = g @ lm_rows.T
+    flat, lab = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    ce = F.cross_entropy(flat, lab, ignore_index=-100)
+    reg = F.smooth_l1_loss(g, target_feat)
+    return [
+        ("the feature term is the mean squared error; the pull towards f_{t+1} is smooth-L1 "
+         "(F.smooth_l1_loss), which an outlier feature cannot dominate",
+         ce + reg_weight * F.mse_loss(g, target_feat)),
+        ("the feature term is missing: reg_weight x smooth-L1 from g to the true next features",
+         ce),
+        ("reg_weight multiplies the cross-entropy; it weights the feature term: ce + reg_weight x smooth-L1",
+         reg_weight * ce + reg),
+        ("the smooth-L1 is summed; take its mean over every value (the default reduction), so that the "
+         "weight does not grow with the batch and the hidden size", ce + reg_weight * F.smooth_l1_loss(
+             g, target_feat, reduction="sum")),
+        ("the cross-entropy was taken of probabilities: F.cross_entropy takes the logits g @ lm_rows.T and "
+         "applies log-softmax itself",
+         F.cross_entropy(flat.softmax(-1), lab, ignore_index=-100) + reg_weight * reg),
+        ("the labels outside the draft vocabulary (-100) were counted; they carry no row to score and are "
+         "left out of the mean (ignore_index=-100)",
+         F.cross_entropy(flat, lab.clamp(min=0)) + reg_weight * reg),
+    ]
+
+
+def check_draft_step_loss(draft_step_loss) -> bool:
+    """Check a learner's draft_step_loss(g, labels, target_feat, lm_rows, reg_weight) -> (loss, accuracy):
+    cross-entropy of g @ lm_rows.T against labels (-100 ignored) plus reg_weight x smooth-L1 from g to
+    target_feat, and the greedy accuracy; its value and gradient against radarlab's."""
+    import torch
+
+    from radarlab.train.train_draft import draft_step_loss as reference
+
+    name = "draft_step_loss"
+    gen = torch.Generator().manual_seed(21)
+    cases = []
+    for rows, n, reg_weight in ((2, 5, 0.1), (3, 4, 0.5), (1, 6, 0.0)):
+        g = torch.randn(rows, n, 32, generator=gen)
+        target = g + torch.randn(rows, n, 32, generator=gen) * 2  # some distances past smooth-L1's knee
+        lm_rows = torch.randn(64, 32, generator=gen) / 4
+        labels = torch.randint(64, (rows, n), generator=gen)
+        labels[0, 1] = -100  # outside the draft vocabulary
+        labels[-1, 0] = int((g[-1, 0] @ lm_rows.T).argmax())  # one greedy hit, for the accuracy
+        cases.append((f"g of shape {(rows, n, 32)}, 64 draft rows, one label -100, reg_weight {reg_weight}",
+                      g, labels, target, lm_rows, reg_weight))
+    for description, g, labels, target, lm_rows, reg_weight in cases:
+        want_loss, want_acc = reference(g, labels, target, lm_rows, reg_weight)
+        mine = g.clone().requires_grad_(True)
+        got, problem = call_learner(
+            lambda: draft_step_loss(mine, labels.clone(), target, lm_rows, reg_weight), description)
+        if problem:
+            hint = (" (labels of -100 have no row: F.cross_entropy(..., ignore_index=-100) leaves them out)"
+                    if "out of bounds" in problem or "index" in problem else "")
+            return verdict(name, problem + hint)
+        if not isinstance(got, (tuple, list)) or len(got) != 2:
+            return verdict(name, f"for {description} it returned {type(got).__name__}; expected (loss, "
+                                 "accuracy)")
+        loss, acc = got
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return verdict(name, f"for {description}, the loss is a {type(loss).__name__}: a one-element "
+                                 "tensor")
+        if abs(float(loss.detach()) - float(want_loss)) > 1e-5 * max(1.0, abs(float(want_loss))):
+            value = float(loss.detach())
+            hint = next((what for what, wrong in _step_loss_mistakes(g, labels, target, lm_rows, reg_weight)
+                         if abs(value - float(wrong)) <= 1e-5 * max(1.0, abs(float(wrong)))), None)
+            return verdict(name, f"for {description}: " + (hint or f"the loss is {value:.6g}, expected "
+                                                                     f"{float(want_loss):.6g}"))
+        if not loss.requires_grad:
+            return verdict(name, f"for {description}, the loss carries no gradient (detached, or under "
+                                 "torch.no_grad): training could not move the head")
+        grad, = torch.autograd.grad(loss, mine)
+        check = g.clone().requires_grad_(True)
+        want_grad, = torch.autograd.grad(reference(check, labels, target, lm_rows, reg_weight)[0], check)
+        if not torch.allclose(grad, want_grad, atol=1e-6, rtol=1e-4):
+            return verdict(name, f"for {description}, the loss is right but its gradient in g is not")
+        acc = float(acc) if isinstance(acc, (int, float, torch.Tensor)) and not isinstance(acc, bool) else acc
+        if not isinstance(acc, float) or abs(acc - want_acc) > 1e-6:
+            hits = int(((g @ lm_rows.T).argmax(-1) == labels).sum())
+            kept = int((labels != -100).sum())
+            hint = (" (divide by every position, -100 ones included, as radarlab's training log does)"
+                    if isinstance(acc, float) and kept and abs(acc - hits / kept) < 1e-6 else
+                    " (the share of positions whose argmax over g @ lm_rows.T is the label)")
+            return verdict(name, f"for {description}, the accuracy is {acc!r}, expected {want_acc:.6g}{hint}")
+    return verdict(name, None)
+
+
 def check_ttt_loss(ttt_loss) -> bool:
     """Check a learner's ttt_loss(head, embed, lm_rows, batch, vocab_index, reg_weight): two passes of
     the head (true features, then its own outputs one position back) under a real draft's attention

@@ -33,8 +33,8 @@ a tail. Tails come from a free list; a group whose first position is written afr
 previous owner of the block left. When the list runs dry, a tail no sequence of this step touches is
 quantized early (its group as far as it is filled) and freed: it costs precision, never data.
 
-How a key group becomes codes and how many tokens are quantized are the two functions of a
-KiviQuantizer (radarlab.quant.kivi), radarlab's unless one is given: a learner's run here as they are.
+How keys and values become codes and back, and how many tokens are quantized, are the functions of a
+KiviQuantizer (radarlab.quant.kivi), radarlab's unless given: a learner's run here as they are.
 """
 from __future__ import annotations
 
@@ -91,10 +91,8 @@ class KiviStore:
         self.plan: dict | None = None
         self.quantize_groups = None  # the step's group-write kernel (begin_step); None: the torch code
         self.fresh: tuple | None = None  # (layer, k [n, g, H, D], v): the last write's groups in 16-bit
-        q = kivi.KiviQuantizer() if quantizer is None else quantizer
-        self.quantized_length = q.quantized_length
-        self.quantize_keys = q.quantize_keys or (lambda k, g: kivi.quantize_key_codes(
-            k, g, fmt.scale_dtype, fmt.int8_zeros))
+        self.codec = (quantizer or kivi.KiviQuantizer()).resolved(fmt.scale_dtype, fmt.int8_zeros)
+        self.quantized_length = self.codec.quantized_length
         if quantizer is not None:
             self._check_quantizer(H, D)
 
@@ -108,21 +106,34 @@ class KiviStore:
                 raise ValueError(f"kivi_quantizer.quantized_length({t}, {g}, {R}) returned {n!r}: expected "
                                  f"an int from 0 to {t}, a multiple of the group size {g}")
         probe = torch.randn(2 * g, H, D, generator=torch.Generator().manual_seed(0)).to(self.k.device)
-        out = self.quantize_keys(probe, g)
-        want = [("codes", (2 * g, H, D), torch.uint8), ("scales", (2, H, D), self.k_scales.dtype),
-                ("zeros", (2, H, D), self.k_zeros.dtype)]
-        if not isinstance(out, (tuple, list)) or len(out) != 3:
-            raise ValueError(f"kivi_quantizer.quantize_keys(k, {g}) must return (codes, scales, zeros), got "
-                             f"{type(out).__name__}")
-        for (label, shape, dtype), x in zip(want, out):
-            tensor = isinstance(x, torch.Tensor)
-            if not tensor or (tuple(x.shape), x.dtype) != (shape, dtype):
-                got = f"{x.dtype} of shape {tuple(x.shape)}" if tensor else type(x).__name__
-                raise ValueError(f"kivi_quantizer.quantize_keys(k [{2 * g}, {H}, {D}], {g}): {label} must be "
-                                 f"{dtype} of shape {shape} ({self.fmt.name} stores them so), got {got}")
-        if bool((out[0] > 15).any()):
-            raise ValueError(f"kivi_quantizer.quantize_keys: codes must be 4-bit (0..15), got "
-                             f"{int(out[0].max())}")
+        c = self.codec
+        for keys, fn in ((True, c.quantize_keys), (False, c.quantize_values)):
+            what = f"kivi_quantizer.quantize_{'keys' if keys else 'values'}(x [{2 * g}, {H}, {D}], {g})"
+            out = fn(probe, g)
+            if not isinstance(out, (tuple, list)) or len(out) != 3:
+                raise ValueError(f"{what} must return (codes, scales, zeros), got {type(out).__name__}")
+            meta = (2, H, D) if keys else (2 * g, H, D // g)
+            scales, zeros = (self.k_scales, self.k_zeros) if keys else (self.v_scales, self.v_zeros)
+            want = [("codes", (2 * g, H, D), torch.uint8), ("scales", meta, scales.dtype),
+                    ("zeros", meta, zeros.dtype)]
+            for (label, shape, dtype), x in zip(want, out):
+                tensor = isinstance(x, torch.Tensor)
+                if not tensor or (tuple(x.shape), x.dtype) != (shape, dtype):
+                    got = f"{x.dtype} of shape {tuple(x.shape)}" if tensor else type(x).__name__
+                    raise ValueError(f"{what}: {label} must be {dtype} of shape {shape} ({self.fmt.name} "
+                                     f"stores them so), got {got}")
+            if bool((out[0] > 15).any()):
+                raise ValueError(f"{what}: codes must be 4-bit (0..15), got {int(out[0].max())}")
+            back = (c.dequantize_keys if keys else c.dequantize_values)(*out, g)
+            name = f"kivi_quantizer.dequantize_{'keys' if keys else 'values'}"
+            if not isinstance(back, torch.Tensor) or tuple(back.shape) != tuple(probe.shape) \
+                    or not back.is_floating_point():
+                got = f"{back.dtype} of shape {tuple(back.shape)}" if isinstance(back, torch.Tensor) else \
+                    type(back).__name__
+                raise ValueError(f"{name}(codes, scales, zeros, {g}) must return floats of shape "
+                                 f"{tuple(probe.shape)}, got {got}")
+            if not bool(torch.isfinite(back).all()):
+                raise ValueError(f"{name} returned values that are not finite, from codes of finite keys")
 
     def block_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros]
@@ -278,28 +289,33 @@ class KiviStore:
             return self.quantize_groups(ks, vs, blocks, groups, self.k[layer], self.k_scales[layer],
                                         self.k_zeros[layer], self.v[layer], self.v_scales[layer],
                                         self.v_zeros[layer], self.fmt, self.block_size)
-        codes, scales, zeros = self.quantize_keys(ks.reshape(n * g, H, D), g)
+        codes, scales, zeros = self.codec.quantize_keys(ks.reshape(n * g, H, D), g)
         slots = self._rows(blocks, groups).reshape(-1)
         self.k[layer].view(-1, H, D // 2)[slots] = int4.pack(codes)
         self.k_scales[layer][blocks, groups] = scales
         self.k_zeros[layer][blocks, groups] = zeros
-        packed, scales, zeros = int4.quantize(vs.reshape(n * g, H, D), g, False, self.fmt.scale_dtype,
-                                              self.fmt.int8_zeros)
-        self.v[layer].view(-1, H, D // 2)[slots] = packed
+        codes, scales, zeros = self.codec.quantize_values(vs.reshape(n * g, H, D), g)
+        self.v[layer].view(-1, H, D // 2)[slots] = int4.pack(codes)
         self.v_scales[layer].view(-1, H, D // g)[slots] = scales
         self.v_zeros[layer].view(-1, H, D // g)[slots] = zeros
 
     def _decode_groups(self, layer, blocks, groups):
         slots = self._rows(blocks, groups).reshape(-1)
         H, D = self.k.shape[3], self.k.shape[4] * 2
-        k = kivi.dequantize_keys(self.k[layer].view(-1, H, D // 2)[slots],
-                                 self.k_scales[layer][blocks, groups],
-                                 self.k_zeros[layer][blocks, groups], self.group, self.fmt.scale_dtype)
-        v = int4.dequantize(self.v[layer].view(-1, H, D // 2)[slots],
-                            self.v_scales[layer].view(-1, H, D // self.group)[slots],
-                            self.v_zeros[layer].view(-1, H, D // self.group)[slots], self.group,
-                            self.fmt.scale_dtype)
+        k = self.decode(True, self.k[layer].view(-1, H, D // 2)[slots], self.k_scales[layer][blocks, groups],
+                        self.k_zeros[layer][blocks, groups])
+        v = self.decode(False, self.v[layer].view(-1, H, D // 2)[slots],
+                        self.v_scales[layer].view(-1, H, D // self.group)[slots],
+                        self.v_zeros[layer].view(-1, H, D // self.group)[slots])
         return k.view(-1, self.group, H, D), v.view(-1, self.group, H, D)
+
+    def decode(self, keys: bool, packed, scales, zeros) -> torch.Tensor:
+        """Stored codes [..., T, H, D/2] with their scales and zeros back to float32 [..., T, H, D], through
+        the codec's dequantizer, which takes [T, H, D]: leading axes (blocks) are folded into T."""
+        codes = int4.unpack(packed)
+        fold = lambda x: x.reshape(-1, *x.shape[-2:])
+        fn = self.codec.dequantize_keys if keys else self.codec.dequantize_values
+        return fn(fold(codes), fold(scales), fold(zeros), self.group).float().reshape(codes.shape)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of codes and scales (by the caller, with every block tensor) plus the tails."""
@@ -342,12 +358,10 @@ class KiviPool:
     def __getitem__(self, blocks) -> torch.Tensor:
         s, L, g = self.store, self.layer, self.store.group
         if self.keys:
-            x = kivi.dequantize_keys(s.k[L][blocks], s.k_scales[L][blocks], s.k_zeros[L][blocks],
-                                     g, s.fmt.scale_dtype)
+            x = s.decode(True, s.k[L][blocks], s.k_scales[L][blocks], s.k_zeros[L][blocks])
             tail = s.k_tail[L]
         else:
-            x = int4.dequantize(s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks],
-                                g, s.fmt.scale_dtype)
+            x = s.decode(False, s.v[L][blocks], s.v_scales[L][blocks], s.v_zeros[L][blocks])
             tail = s.v_tail[L]
         x = _overlay(x, s.tail_of.to(x.device)[blocks], tail, g)
         if self.fresh:

@@ -16,8 +16,8 @@ it quantizes keys R = residual at a time, so T mod R of them wait in 16-bit, and
 newest R values (a sliding window, a value quantized as it leaves). quantized_lengths(..., rule="kivi")
 gives those counts, and quantize(..., rule="kivi") applies them.
 
-A cache can take its key quantizer and its quantized_length from elsewhere (KiviQuantizer: the seam a
-learner's code plugs into, Engine(kivi_quantizer=...)).
+A cache can take its quantizers, its dequantizers and its quantized_length from elsewhere (KiviQuantizer:
+the seam a learner's code plugs into, Engine(kivi_quantizer=...)).
 """
 from __future__ import annotations
 
@@ -77,22 +77,40 @@ def quantize_keys(k: torch.Tensor, group_size: int, scale_dtype: str = "fp16", i
     return int4.pack(codes), scales, zeros
 
 
-def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "fp16",
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The inverse of quantize_keys: [T, H, D] (any leading axes before T's groups work the same)."""
-    q = int4.unpack(packed).float()  # [..., T, H, D]
-    *lead, t, h, d = q.shape
+def dequantize_key_codes(codes, scales, zeros, group_size: int, scale_dtype: str = "fp16",
+                         dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Unpacked key codes [..., T, H, D] back to values, with scales and zeros [..., T/g, H, D]."""
+    *lead, t, h, d = codes.shape
     g = int4.check_group(group_size, t)
     if tuple(scales.shape) != (*lead, t // g, h, d) or zeros.shape != scales.shape:
         raise ValueError(f"key scales and zeros must be {(*lead, t // g, h, d)}, got "
                          f"{tuple(scales.shape)} and {tuple(zeros.shape)}")
-    qg = q.reshape(*lead, t // g, g, h, d)
+    qg = codes.float().reshape(*lead, t // g, g, h, d)
     s = int4.load_meta(scales, scale_dtype)[..., None, :, :]
     if zeros.dtype == torch.int8:  # integer zero points (int8zeros)
         x = (qg - zeros.float()[..., None, :, :]) * s
     else:
         x = qg * s + int4.load_meta(zeros, scale_dtype)[..., None, :, :]
-    return x.reshape(q.shape).to(dtype)
+    return x.reshape(codes.shape).to(dtype)
+
+
+def dequantize_keys(packed, scales, zeros, group_size: int, scale_dtype: str = "fp16",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_keys: [T, H, D] (any leading axes before T's groups work the same)."""
+    return dequantize_key_codes(int4.unpack(packed), scales, zeros, group_size, scale_dtype, dtype)
+
+
+def quantize_value_codes(v: torch.Tensor, group_size: int, scale_dtype: str = "fp16",
+                         int8_zeros: bool = False):
+    """Values [T, H, D] -> (codes uint8 [T, H, D] unpacked, scales [T, H, D/g], zeros [T, H, D/g]): per
+    token, asymmetric int4 over groups of g channels along head_dim (values have no outlier channels)."""
+    return int4.quantize_codes(v, group_size, False, scale_dtype, int8_zeros)
+
+
+def dequantize_value_codes(codes, scales, zeros, group_size: int, scale_dtype: str = "fp16",
+                           dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The inverse of quantize_value_codes."""
+    return int4.dequantize_codes(codes, scales, zeros, group_size, scale_dtype, dtype)
 
 
 @dataclass
@@ -142,13 +160,30 @@ def dequantize(kv: KiviKV, dtype: torch.dtype = torch.float32) -> tuple[torch.Te
 
 @dataclass(frozen=True)
 class KiviQuantizer:
-    """The two pieces of KIVI a paged cache takes as arguments, so that one's own (a learner's, notebook
-    07) runs in the real engine: Engine(kivi_quantizer=...) -> PagedKVCache -> KiviStore.
+    """The pieces of KIVI a paged cache takes as arguments, so that one's own (a learner's, notebook 07)
+    runs in the real engine: Engine(kivi_quantizer=...) -> PagedKVCache -> KiviStore. Codes are
+    unpacked uint8 in 0..15 (the cache packs them), scales and zeros in the dtypes the cache's format
+    stores (fp16 for kivi_g32); None: radarlab's function for the format.
 
-    quantize_keys(k [T, H, D], group_size) -> (codes uint8 [T, H, D] in 0..15, scales [T/g, H, D],
-    zeros [T/g, H, D]) in the dtypes the cache's format stores (fp16 for kivi_g32); None: radarlab's
-    quantize_key_codes for the format. quantized_length(num_tokens, group_size, residual) -> how many
-    of a sequence's tokens are quantized, whole groups. The cache checks both once, when it is built."""
+    quantize_keys(k [T, H, D], g) -> (codes [T, H, D], scales [T/g, H, D], zeros [T/g, H, D]): per
+    channel, over groups of g tokens. quantize_values(v [T, H, D], g) -> (codes [T, H, D], scales
+    [T, H, D/g], zeros [T, H, D/g]): per token, over groups of g channels. dequantize_keys and
+    dequantize_values(codes, scales, zeros, g) -> float32 [T, H, D]: how attention reads them back.
+    quantized_length(num_tokens, g, residual) -> how many of a sequence's tokens are quantized, whole
+    groups. The cache checks each given function once, on a probe, when it is built."""
 
     quantize_keys: Callable | None = None
     quantized_length: Callable = quantized_length
+    quantize_values: Callable | None = None
+    dequantize_keys: Callable | None = None
+    dequantize_values: Callable | None = None
+
+    def resolved(self, scale_dtype: str = "fp16", int8_zeros: bool = False) -> "KiviQuantizer":
+        """Every function filled in: the given ones, radarlab's for a format's storage elsewhere."""
+        sd, z8 = scale_dtype, int8_zeros
+        return KiviQuantizer(
+            self.quantize_keys or (lambda k, g: quantize_key_codes(k, g, sd, z8)),
+            self.quantized_length,
+            self.quantize_values or (lambda v, g: quantize_value_codes(v, g, sd, z8)),
+            self.dequantize_keys or (lambda c, s, z, g: dequantize_key_codes(c, s, z, g, sd)),
+            self.dequantize_values or (lambda c, s, z, g: dequantize_value_codes(c, s, z, g, sd)))

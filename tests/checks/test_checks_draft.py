@@ -8,6 +8,7 @@ import torch
 from radarlab.checks import (
     check_acceptance_counts,
     check_draft_forward,
+    check_draft_step_loss,
     check_first_costly_batch,
     check_ttt_loss,
     reference_acceptance_counts,
@@ -54,6 +55,60 @@ def test_forward_reference_and_hand_written_pass(verdict, fn):
 ])
 def test_forward_mistakes_are_described(verdict, mistake, words):
     verdict(check_draft_forward, _forward_with(mistake), words)
+
+
+# --- draft_step_loss ---------------------------------------------------------------------------------
+
+
+def _step_loss_with(mistake):
+    """One draft step's score as a learner writes it, with one mistake (None: none)."""
+    import torch.nn.functional as F
+
+    def step_loss(g, labels, target_feat, lm_rows, reg_weight):
+        logits = g @ lm_rows.T
+        flat, lab = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        if mistake == "probabilities":
+            flat = flat.softmax(-1)
+        if mistake == "gather":  # log-softmax by hand, -100 indexed
+            ce = -flat.log_softmax(-1).gather(1, lab[:, None]).mean()
+        else:
+            ce = F.cross_entropy(flat, lab, ignore_index=-100)
+        reg = {"mse": F.mse_loss(g, target_feat), "sum": F.smooth_l1_loss(g, target_feat, reduction="sum"),
+               "none": torch.zeros(())}.get(mistake, F.smooth_l1_loss(g, target_feat))
+        loss = reg_weight * ce + reg if mistake == "weight on ce" else ce + reg_weight * reg
+        hits = (logits.argmax(-1) == labels).float()
+        acc = hits.sum() / (labels != -100).sum() if mistake == "accuracy of kept" else hits.mean()
+        if mistake == "detached":
+            loss = loss.detach()
+        return loss, float(acc)
+
+    return step_loss
+
+
+@pytest.mark.parametrize("fn", [draft_step_loss, _step_loss_with(None)])
+def test_step_loss_reference_and_hand_written_pass(verdict, fn):
+    verdict(check_draft_step_loss, fn)
+
+
+@pytest.mark.parametrize("mistake, words", [
+    ("mse", "is the mean squared error"),
+    ("none", "the feature term is missing"),
+    ("weight on ce", "reg_weight multiplies the cross-entropy"),
+    ("sum", "the smooth-L1 is summed"),
+    ("probabilities", "taken of probabilities"),
+    ("gather", "ignore_index=-100"),
+    ("detached", "carries no gradient"),
+    ("accuracy of kept", "-100 ones included"),
+])
+def test_step_loss_mistakes_are_described(verdict, mistake, words):
+    verdict(check_draft_step_loss, _step_loss_with(mistake), words)
+
+
+def test_step_loss_stub_is_not_written(verdict):
+    def stub(*args):
+        raise NotImplementedError()
+
+    verdict(check_draft_step_loss, stub, "not written yet")
 
 
 # --- ttt_loss ------------------------------------------------------------------------------------

@@ -7,7 +7,10 @@ import torch
 
 from radarlab.checks import (
     check_int4_bytes_per_token,
+    check_kivi_key_dequant,
     check_kivi_keys,
+    check_kivi_value_dequant,
+    check_kivi_values,
     check_pack_nibbles,
     check_quantize_group,
     check_quantized_length,
@@ -242,6 +245,115 @@ def test_the_notebook_answer_is_radarlab_quantizer_bit_for_bit():
 ])
 def test_kivi_keys_mistakes_are_described(verdict, fn, words):
     verdict(check_kivi_keys, fn, words)
+
+
+def kivi_values_reference(v, group_size):  # the notebook's answer
+    t, h, d = v.shape
+    groups = v.float().reshape(t, h, d // group_size, group_size)  # g channels of one token on the last axis
+    zeros = groups.amin(-1).half()
+    scales = ((groups.amax(-1) - zeros.float()) / 15).clamp(min=2.0**-24).half()
+    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(t, h, d), scales, zeros
+
+
+def _values_per_channel(v, group_size):  # the keys' layout
+    return kivi.quantize_key_codes(v, group_size)
+
+
+def _values_sixteen_levels(v, group_size):
+    t, h, d = v.shape
+    groups = v.float().reshape(t, h, d // group_size, group_size)
+    zeros = groups.amin(-1).half()
+    scales = ((groups.amax(-1) - zeros.float()) / 16).clamp(min=2.0**-24).half()
+    codes = torch.round((groups - zeros.float()[..., None]) / scales.float()[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(t, h, d), scales, zeros
+
+
+def _values_exact_codes(v, group_size):  # codes from the float32 zero and scale, stored ones rounded after
+    t, h, d = v.shape
+    groups = v.float().reshape(t, h, d // group_size, group_size)
+    lo, scale = groups.amin(-1), ((groups.amax(-1) - groups.amin(-1)) / 15).clamp(min=2.0**-24)
+    codes = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15)
+    return codes.to(torch.uint8).reshape(t, h, d), scale.float(), lo.float()
+
+
+@pytest.mark.parametrize("fn", [kivi_values_reference,
+                                kivi.quantize_value_codes])
+def test_kivi_values_references_pass(verdict, fn):
+    verdict(check_kivi_values, fn)
+
+
+def test_the_values_answer_is_radarlab_quantizer_bit_for_bit():
+    v = torch.randn(64, 3, 64, generator=torch.Generator().manual_seed(2)) * 3
+    for mine, theirs in zip(kivi_values_reference(v, 32), int4.quantize_codes(v, 32, symmetric=False)):
+        assert mine.dtype == theirs.dtype and torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize("fn, words", [
+    (_values_per_channel, "that is the keys' layout, one per channel over g tokens"),
+    (_values_sixteen_levels, "16 levels have 15 steps between them"),
+    (_values_exact_codes, "scales have dtype torch.float32; the cache stores them in torch.float16"),
+])
+def test_kivi_values_mistakes_are_described(verdict, fn, words):
+    verdict(check_kivi_values, fn, words)
+
+
+def kivi_key_dequant_reference(codes, scales, zeros, group_size):  # the notebook's answer
+    t, h, d = codes.shape
+    groups = codes.float().reshape(t // group_size, group_size, h, d)
+    return (groups * scales.float()[:, None] + zeros.float()[:, None]).reshape(t, h, d)
+
+
+def kivi_value_dequant_reference(codes, scales, zeros, group_size):  # the notebook's answer
+    t, h, d = codes.shape
+    groups = codes.float().reshape(t, h, d // group_size, group_size)
+    return (groups * scales.float()[..., None] + zeros.float()[..., None]).reshape(t, h, d)
+
+
+def _dequant_with(mistake, keys):
+    def dequant(codes, scales, zeros, group_size):
+        axis = 0 if keys else -1
+        s, z = (m.float().repeat_interleave(group_size, dim=axis) for m in (scales, zeros))
+        if mistake == "tiled":
+            times = (group_size, 1, 1) if keys else (1, 1, group_size)
+            s, z = (m.float().repeat(*times) for m in (scales, zeros))
+        c = codes.float()
+        return {"subtract zero": (c - z) * s, "no zero": c * s, "minus 8": (c - 8) * s, "swapped": c * z + s,
+                "half": (c * s + z).half()}.get(mistake, c * s + z)
+    return dequant
+
+
+@pytest.mark.parametrize("check, fn", [(check_kivi_key_dequant, kivi_key_dequant_reference),
+                                       (check_kivi_key_dequant, kivi.dequantize_key_codes),
+                                       (check_kivi_key_dequant, _dequant_with(None, keys=True)),
+                                       (check_kivi_value_dequant, kivi_value_dequant_reference),
+                                       (check_kivi_value_dequant, int4.dequantize_codes),
+                                       (check_kivi_value_dequant, _dequant_with(None, keys=False))])
+def test_kivi_dequant_references_pass(verdict, check, fn):
+    verdict(check, fn)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+@pytest.mark.parametrize("mistake, words", [
+    ("subtract zero", "it computed (code - zero) x scale"),
+    ("no zero", "the zero point was left out"),
+    ("minus 8", "the symmetric grid's centre"),
+    ("tiled", "tiled along"),
+    ("swapped", "the scales and zeros were swapped"),
+    ("half", "return float32 values"),
+])
+def test_kivi_dequant_mistakes_are_described(verdict, keys, mistake, words):
+    check = check_kivi_key_dequant if keys else check_kivi_value_dequant
+    out = verdict(check, _dequant_with(mistake, keys), words)
+    assert mistake != "tiled" or ("tokens" if keys else "channels") in out
+
+
+def test_the_kivi_codec_stubs_are_not_written(verdict):
+    def stub(*args):
+        raise NotImplementedError()
+
+    for check in (check_kivi_values, check_kivi_key_dequant, check_kivi_value_dequant):
+        verdict(check, stub, "not written yet")
 
 
 def quantized_length_reference(num_tokens, group_size, residual):  # the notebook's answer

@@ -198,6 +198,57 @@ def test_the_engine_runs_a_kivi_quantizer_given_as_an_argument():
     assert len(calls) > 1 and all(n % 4 == 0 for n in calls)  # the probe, then every group write
 
 
+def test_the_engine_writes_and_reads_through_every_given_function():
+    """All five functions given (radarlab's, counted): the default's tokens, and each one called, the
+    dequantizers by attention's reads."""
+    from radarlab.engine.llm_engine import Engine
+    from radarlab.sample.sampling_params import SamplingParams
+
+    model, calls = _tiny_model(), []
+
+    def counted(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
+
+    codec = kivi.KiviQuantizer().resolved()
+    given = kivi.KiviQuantizer(**{name: counted(name, getattr(codec, name)) for name in (
+        "quantize_keys", "quantized_length", "quantize_values", "dequantize_keys", "dequantize_values")})
+    prompts = [list(range(1, 12)), [3, 4], [5, 6, 7, 8, 9]]
+    runs = {}
+    for who, quantizer in [("default", None), ("given", given)]:
+        engine = Engine(model, 30, block_size=4, kv_cache_dtype="kivi_g4_r4", kivi_quantizer=quantizer)
+        runs[who] = [o.output_token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=9))]
+    assert runs["given"] == runs["default"]
+    counts = {name: calls.count(name) for name in set(calls)}
+    assert len(counts) == 5 and min(counts.values()) > 1, counts  # more than the probe's one call each
+
+
+def test_a_codec_of_ones_own_round_trips_through_the_cache():
+    """Values stored as 15 - code and read back the same way: other bytes in the cache, the same
+    attention as radarlab's codec; reading them with radarlab's dequantizer is wrong."""
+    q, k, v = _x(11, 4, D, seed=1), _x(11, H, D, seed=2), _x(11, H, D, seed=3)
+
+    def flipped(v, g):
+        codes, scales, zeros = int4.quantize_codes(v, g, symmetric=False)
+        return 15 - codes, scales, zeros
+
+    def unflip(codes, scales, zeros, g):
+        return int4.dequantize_codes(15 - codes, scales, zeros, g)
+
+    quantizers = {"radarlab": None,
+                  "flipped": kivi.KiviQuantizer(quantize_values=flipped, dequantize_values=unflip),
+                  "half read": kivi.KiviQuantizer(quantize_values=flipped)}
+    caches = {who: PagedKVCache(1, 4, H, D, block_size=BLOCK, kv_cache_dtype="kivi_g4", kivi_quantizer=quant)
+              for who, quant in quantizers.items()}
+    outs = {who: attention_forward(c, 0, q, k, v, _meta([11], [11], [[0, 1]]), 0.25)
+            for who, c in caches.items()}
+    assert not torch.equal(caches["flipped"].kivi.v, caches["radarlab"].kivi.v)
+    assert torch.equal(outs["flipped"], outs["radarlab"])
+    assert not torch.allclose(outs["half read"], outs["radarlab"], atol=1e-3)
+
+
 def test_a_given_quantized_length_decides_what_is_quantized():
     never = kivi.KiviQuantizer(quantized_length=lambda n, g, r: 0)  # every group stays in a 16-bit tail
     q, k, v = _x(11, 4, D, seed=1), _x(11, H, D, seed=2), _x(11, H, D, seed=3)
@@ -227,6 +278,14 @@ def _fp32_scales(k, g):
     (kivi.KiviQuantizer(lambda k, g: kivi.quantize_keys(k, g)),  # packed: half the codes' width
      r"codes must be torch.uint8 of shape \(8, 2, 16\).*got torch.uint8 of shape \(8, 2, 8\)"),
     (kivi.KiviQuantizer(quantized_length=lambda n, g, r: n), r"quantized_length\(1, 4, 0\) returned 1"),
+    (kivi.KiviQuantizer(quantize_values=kivi.quantize_key_codes),  # per channel: the keys' layout
+     r"quantize_values\(x \[8, 2, 16\], 4\): scales must be torch.float16 of shape \(8, 2, 4\)"
+     r".*\(2, 2, 16\)"),
+    (kivi.KiviQuantizer(dequantize_keys=lambda c, s, z, g: c.float()[:, :, ::2]),
+     r"dequantize_keys\(codes, scales, zeros, 4\) must return floats of shape \(8, 2, 16\), got "
+     r"torch.float32 of shape \(8, 2, 8\)"),
+    (kivi.KiviQuantizer(dequantize_values=lambda c, s, z, g: c.float() / 0),
+     r"dequantize_values returned values that are not finite"),
 ])
 def test_a_bad_kivi_quantizer_is_refused_when_the_cache_is_built(quantizer, words):
     with pytest.raises(ValueError, match=words):
