@@ -378,7 +378,7 @@ def _dequant_mistakes(keys: bool, codes, scales, zeros, g):
          f"n's; each group's g {axis} take its own (repeat_interleave, or a reshape that puts the g "
          f"{axis} of a group on their own axis)", c * tiled(s) + tiled(z)),
         ("the scales and zeros were swapped: x = code x scale + zero", c * spread(z) + spread(s)),
-    ] if tuple(spread(s).shape) == tuple(c.shape) else []
+    ]
 
 
 def _check_dequant(name: str, fn, keys: bool) -> bool:

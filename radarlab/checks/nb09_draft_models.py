@@ -319,7 +319,9 @@ def check_draft_step_loss(draft_step_loss) -> bool:
         want_grad, = torch.autograd.grad(reference(check, labels, target, lm_rows, reg_weight)[0], check)
         if not torch.allclose(grad, want_grad, atol=1e-6, rtol=1e-4):
             return verdict(name, f"for {description}, the loss is right but its gradient in g is not")
-        acc = float(acc) if isinstance(acc, (int, float, torch.Tensor)) and not isinstance(acc, bool) else acc
+        one_number = isinstance(acc, torch.Tensor) and acc.numel() == 1
+        if one_number or isinstance(acc, int) and not isinstance(acc, bool):
+            acc = float(acc)
         if not isinstance(acc, float) or abs(acc - want_acc) > 1e-6:
             hits = int(((g @ lm_rows.T).argmax(-1) == labels).sum())
             kept = int((labels != -100).sum())

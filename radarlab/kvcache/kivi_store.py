@@ -92,7 +92,6 @@ class KiviStore:
         self.quantize_groups = None  # the step's group-write kernel (begin_step); None: the torch code
         self.fresh: tuple | None = None  # (layer, k [n, g, H, D], v): the last write's groups in 16-bit
         self.codec = (quantizer or kivi.KiviQuantizer()).resolved(fmt.scale_dtype, fmt.int8_zeros)
-        self.quantized_length = self.codec.quantized_length
         if quantizer is not None:
             self._check_quantizer(H, D)
 
@@ -134,6 +133,11 @@ class KiviStore:
                                  f"{tuple(probe.shape)}, got {got}")
             if not bool(torch.isfinite(back).all()):
                 raise ValueError(f"{name} returned values that are not finite, from codes of finite keys")
+
+    @property
+    def quantized_length(self):
+        """The codec's rule of how many of a sequence's tokens are quantized (attention reads by it too)."""
+        return self.codec.quantized_length
 
     def block_tensors(self) -> list[torch.Tensor]:
         return [self.k, self.v, self.k_scales, self.v_scales, self.k_zeros, self.v_zeros]

@@ -179,7 +179,8 @@ class KiviQuantizer:
     dequantize_values: Callable | None = None
 
     def resolved(self, scale_dtype: str = "fp16", int8_zeros: bool = False) -> "KiviQuantizer":
-        """Every function filled in: the given ones, radarlab's for a format's storage elsewhere."""
+        """Every function filled in: the given ones, and radarlab's, for a format storing its scales as
+        scale_dtype (int8 zero points with int8_zeros), where none is given."""
         sd, z8 = scale_dtype, int8_zeros
         return KiviQuantizer(
             self.quantize_keys or (lambda k, g: quantize_key_codes(k, g, sd, z8)),
