@@ -53,16 +53,18 @@ lint: setup
 	$(VPY) -m ruff check radarlab tests scripts
 
 # The linter first, then the unit tests, the vLLM comparisons, the browser tests (the widgets in JupyterLab,
-# the course site) and every notebook (nbval, lax mode), in one pytest run; the 25 slowest steps are
-# listed at the end, to see where the time goes.
+# the course site) and every notebook (nbval, lax mode), in one pytest run on two workers (the notebooks
+# one work unit, each test file another, queued heaviest first: tests/conftest.py); the 25 slowest steps
+# are listed at the end, to see where the time goes.
 test: setup lint model vllm chromium
 	RADARLAB_REQUIRE_VLLM=1 $(VPY) -m pytest -q -p no:cacheprovider --nbval-lax --durations=25 \
+		-n 2 --no-loadscope-reorder \
 		--ignore=notebooks/exercises tests notebooks
 
 # Quick loop while developing (a few minutes): the linter, then the tests that are not `slow` (the course
 # model, the end-to-end CLIs), with no vLLM and no notebooks.
 test-fast: setup lint model
-	$(VPY) -m pytest -q -p no:cacheprovider -m "not vllm and not browser and not slow" tests
+	$(VPY) -m pytest -q -p no:cacheprovider -n 2 --no-loadscope-reorder -m "not vllm and not browser and not slow" tests
 
 # The course as a static HTML site (Jupyter Book) of the committed, executed notebooks and the README, the
 # course map as its front page; nothing is re-executed (~15 s). Open site/_build/html/index.html.

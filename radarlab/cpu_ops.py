@@ -3,8 +3,8 @@
 vLLM's CPU backend is PyTorch plus a library of its own C++ kernels (paged attention, rms_norm,
 silu_and_mul, rotary embedding), because on a CPU each small torch op costs a dispatch and a pass
 over memory. radarlab does the same, in course-sized form: the sources are in radarlab/csrc, one
-file per concern, and torch.utils.cpp_extension builds them into one library that registers
-torch.ops.radarlab.* (a few seconds with gcc or clang and ninja).
+file per concern, and torch.utils.cpp_extension builds them, as one translation unit (unity_source),
+into one library that registers torch.ops.radarlab.* (seconds with gcc or clang and ninja).
 
 The build is for the CPU at hand (-march=native: AVX-512 where the CPU has it, AVX2 where not;
 RADARLAB_CPU_MARCH=haswell, say, builds for another) and is cached under $RADARLAB_CACHE/kernels, per
@@ -16,6 +16,7 @@ expected to work, and the tests fail, rather than skip, when it does not.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -26,7 +27,9 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.cpp", "cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp")
+# paged_decode.cpp last: in the one translation unit they are built as, its `using namespace` reaches no
+# other file.
+SOURCES = ("cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp", "paged_decode.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
 # kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
@@ -97,7 +100,7 @@ def _build():
     if lend:
         os.environ["CXX"] = compiler
     try:
-        cpp_extension.load(name, [str(CSRC / s) for s in SOURCES], extra_cflags=[*CFLAGS, f"-march={march}"],
+        cpp_extension.load(name, [str(unity_source(build))], extra_cflags=[*CFLAGS, f"-march={march}"],
                            build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as err:  # no ninja, no headers, a compile error: the reason is in the message
         used = os.environ.get("CXX") or compiler
@@ -107,6 +110,23 @@ def _build():
         if lend:
             del os.environ["CXX"]
     return torch.ops.radarlab, None
+
+
+def unity_source(build: Path) -> Path:
+    """The one file the compiler is given, in the build folder: it #includes every source, so the torch
+    headers, most of a build's work, are parsed once rather than once per source. Its first line is a
+    hash of csrc/, so torch's JIT versioning sees an edit to any source or header there."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    text = "\n".join([f"// radarlab's C++ operators as one translation unit (radarlab/cpu_ops.py); "
+                      f"csrc {digest.hexdigest()[:16]}", *(f'#include "{CSRC / s}"' for s in SOURCES)]) + "\n"
+    path = build / "radarlab_ops.cpp"
+    if not path.is_file() or path.read_text() != text:
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two processes may build at once
+        tmp.write_text(text)
+        tmp.replace(path)
+    return path
 
 
 # A build takes seconds to a minute or two; a lock older than this was left by a build that was killed.

@@ -10,9 +10,12 @@ import torch
 import radarlab  # noqa: F401  (sets TRITON_INTERPRET before anything imports triton)
 from radarlab.exercises import course_notebooks
 
-from copy_runs import CopyRuns
+from copy_runs import COPIES_TESTS, CopyRuns
 
 ROOT = Path(__file__).resolve().parents[1]
+
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # `make test` runs two workers: share the cores out
+    torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def pytest_configure(config):
@@ -92,12 +95,15 @@ def prompts(tokenizer):
 COURSE_MODEL_FIXTURES = {"hf_model_and_tokenizer"}
 
 
+@pytest.hookimpl(tryfirst=True)  # marks before -m deselects by them
 def pytest_collection_modifyitems(config, items):
-    """Tests that load the course model are marked slow (make test-fast leaves them out). vLLM tests
-    skip when .venv-vllm is absent, unless RADARLAB_REQUIRE_VLLM=1 (make test sets it)."""
+    """Tests that load the course model are marked slow (make test-fast leaves them out). The heaviest
+    work units go first (heaviest_first). vLLM tests skip when .venv-vllm is absent, unless
+    RADARLAB_REQUIRE_VLLM=1 (make test sets it)."""
     for item in items:
         if COURSE_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    heaviest_first(items)
     if os.environ.get("RADARLAB_REQUIRE_VLLM") == "1":
         return
     from radarlab.validate.vllm import vllm_python
@@ -107,3 +113,37 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "vllm" in item.keywords:
                 item.add_marker(skip)
+
+
+def work_unit(nodeid: str) -> str:
+    """The pytest-xdist work unit of a test (make test runs two workers): a unit runs on one worker, in
+    order. The notebooks and the learner copies' tests are one unit: nbval runs a notebook's cells
+    in one kernel, and the copies run beside the notebooks on that worker's threads (copy_runs.py).
+    Every test file is a unit of its own, so a module's fixture (one vLLM run) is made once."""
+    path = nodeid.split("::")[0]
+    return "notebooks" if path.endswith(".ipynb") or path.endswith("/" + COPIES_TESTS) else path
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's
+def pytest_xdist_make_scheduler(config, log):
+    """Schedule by work_unit (xdist's loadgroup reads a nodeid suffix that pytest 9 no longer keeps)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class WorkUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return WorkUnits(config, log)
+
+
+def heaviest_first(items) -> None:
+    """The notebooks' unit first, then the files with a `vllm` or `slow` test, each kept in
+    collection order, so that no minutes-long file is left to the end while the other worker waits
+    (make test queues the units in this order: --no-loadscope-reorder)."""
+    heavy = {work_unit(item.nodeid) for item in items if "vllm" in item.keywords or "slow" in item.keywords}
+
+    def rank(item) -> int:
+        unit = work_unit(item.nodeid)
+        return 0 if unit == "notebooks" else 1 if unit in heavy else 2
+
+    items.sort(key=rank)

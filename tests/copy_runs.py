@@ -9,6 +9,7 @@ their tests first ask.
 """
 from __future__ import annotations
 
+import os
 import queue
 import shutil
 import subprocess
@@ -23,15 +24,20 @@ CELL_TIMEOUT_S = 600
 NOTEBOOK_TIMEOUT_S = 900
 AT_ONCE = 2
 COPIES_TESTS = "test_learner_copies.py"
+NO_VLLM = "no-vllm/bin/python"  # under the runs' folder; never created
 
 
 def execute(path: Path, out_dir: Path) -> tuple[Path | None, str]:
-    """Run one copy top to bottom in a fresh kernel: (the executed notebook, "") or (None, what failed)."""
+    """Run one copy top to bottom in a fresh kernel: (the executed notebook, "") or (None, what failed).
+
+    The copies run as a learner without vLLM does (RADARLAB_VLLM_PYTHON names no interpreter): nbval's
+    run of the notebooks compares with vLLM, and the copies take the notebooks' other branch."""
     out = out_dir / path.name
     cmd = [sys.executable, "-m", "nbconvert", "--to", "notebook", "--execute", f"--output={out}",
            f"--ExecutePreprocessor.timeout={CELL_TIMEOUT_S}", str(path)]
+    env = {**os.environ, "RADARLAB_VLLM_PYTHON": str(out_dir / NO_VLLM)}
     try:
-        done = subprocess.run(cmd, cwd=path.parent, capture_output=True, text=True,
+        done = subprocess.run(cmd, cwd=path.parent, capture_output=True, text=True, env=env,
                               timeout=NOTEBOOK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return None, f"did not finish in {NOTEBOOK_TIMEOUT_S} s"
@@ -84,7 +90,22 @@ class CopyRuns:
         copies = [item for item in items if item.path.name == COPIES_TESTS]
         rest = [item for item in items if item.path.name != COPIES_TESTS]
         items[:] = rest + copies
-        self.wanted = any("copy_runs" in getattr(item, "fixturenames", ()) for item in copies)
+        selected = [item for item in copies if "copy_runs" in getattr(item, "fixturenames", ())]
+        self.wanted = bool(selected)
+        paths = {getattr(getattr(item, "callspec", None), "params", {}).get("path") for item in selected}
+        if selected and None not in paths:  # every selected test names its copy: run just those
+            self.keep_only(paths)
+
+    def keep_only(self, paths) -> None:
+        """Queue only these copies, in course order (a run that selects some copies' tests with -k)."""
+        while True:
+            try:
+                self.pending.get_nowait()
+            except queue.Empty:
+                break
+        for path in self.copies:
+            if path in paths:
+                self.pending.put(path)
 
     def pytest_runtest_setup(self, item):
         if self.wanted and item.path.suffix == ".ipynb":

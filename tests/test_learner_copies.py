@@ -2,8 +2,10 @@
 
 A learner who skips an exercise, or opens the copy just to read it, must still reach the end: each
 checker says FAIL in a friendly line (not a traceback), and each `learner_or_reference` cell says that
-the cells below use radarlab's reference. The committed notebooks (every exercise written, as the
-reference) run under nbval in `make test`; test_exercises.py checks that the copies are fresh.
+the cells below use radarlab's reference. The copies run without vLLM, so the notebooks' comparisons
+with vLLM take the branch of a learner who has not run `make vllm`. The committed notebooks (every
+exercise written, as the reference) run under nbval in `make test`; test_exercises.py checks that the
+copies are fresh.
 
 The copies take as long as the notebooks (minutes in all), hence `slow`. They run beside nbval's run of
 the notebooks, on the core it leaves idle (tests/copy_runs.py), and these tests come last.
@@ -57,6 +59,10 @@ def test_learner_copy_runs_with_every_exercise_unwritten(copy_runs, path):
             assert f"in place of your {name}" in said, (
                 f"{path.name}: cell {index} falls back to radarlab's reference for {name} without saying "
                 f"so:\n{said}")
+    if any("run_vllm(" in cell.source for cell in nb.cells if cell.cell_type == "code"):
+        # the copies run without vLLM (copy_runs.py): the branch a learner without `make vllm` takes
+        assert any("`make vllm`" in _text(cell) for cell in nb.cells), (
+            f"{path.name}: run without vLLM, no cell says that vLLM is missing and how to install it")
 
 
 def _tiny_notebook(path: Path, source: str) -> Path:
@@ -87,9 +93,11 @@ def test_copy_runs_hands_out_each_run_and_names_what_failed(tmp_path):
 
 
 class _Item:
-    def __init__(self, name: str, fixturenames=()):
+    def __init__(self, name: str, fixturenames=(), copy: Path | None = None):
         self.path = Path(name)
         self.fixturenames = list(fixturenames)
+        if copy is not None:
+            self.callspec = type("CallSpec", (), {"params": {"path": copy}})()
 
 
 def test_copy_runs_come_last_and_start_beside_the_first_notebook():
@@ -111,3 +119,17 @@ def test_copy_runs_come_last_and_start_beside_the_first_notebook():
     deselected.pytest_collection_modifyitems(rest)
     deselected.pytest_runtest_setup(rest[0])
     assert not deselected.wanted and deselected.workers == []
+
+
+def test_copy_runs_queue_only_the_copies_whose_tests_are_selected():
+    from copy_runs import CopyRuns
+
+    a, b, c = (Path(f"notebooks/exercises/0{i}_x.ipynb") for i in range(3))
+    runs = CopyRuns([a, b, c])
+    runs.pytest_collection_modifyitems([_Item("tests/test_learner_copies.py", ["copy_runs"], copy=c),
+                                        _Item("tests/test_learner_copies.py", ["copy_runs"], copy=a)])
+    assert runs.wanted and [runs.pending.get_nowait() for _ in range(2)] == [a, c]  # course order
+    assert runs.pending.empty()
+    everything = CopyRuns([a, b])  # a selected test that names no copy: all of them stay queued
+    everything.pytest_collection_modifyitems([_Item("tests/test_learner_copies.py", ["copy_runs"])])
+    assert [everything.pending.get_nowait() for _ in range(2)] == [a, b]
