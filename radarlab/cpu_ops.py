@@ -3,11 +3,12 @@
 vLLM's CPU backend is PyTorch plus a library of its own C++ kernels (paged attention, rms_norm,
 silu_and_mul, rotary embedding), because on a CPU each small torch op costs a dispatch and a pass
 over memory. radarlab does the same, in course-sized form: the sources are in radarlab/csrc, one
-file per concern, and torch.utils.cpp_extension builds them, as one translation unit (unity_source),
-into one library that registers torch.ops.radarlab.* (seconds with gcc or clang and ninja).
+file per concern, and torch.utils.cpp_extension builds them into one library that registers
+torch.ops.radarlab.* (seconds with gcc or clang and ninja).
 
 The build is for the CPU at hand (-march=native: AVX-512 where the CPU has it, AVX2 where not;
-RADARLAB_CPU_MARCH=haswell, say, builds for another) and is cached under $RADARLAB_CACHE/kernels, per
+RADARLAB_CPU_MARCH=haswell, say, builds for another; RADARLAB_CPU_OPS_ONE_UNIT=1 compiles csrc/ as one
+translation unit, see unity_source) and is cached under $RADARLAB_CACHE/kernels, per
 CPU kind and -march. Where it cannot be built, callers keep their
 torch code (the reference every op is tested against) and a warning says why, once. The compiler is
 $CXX, else the first of c++, g++, clang++ on PATH (find_compiler); where one exists the build is
@@ -89,8 +90,10 @@ def _build():
         return None, (f"could not build radarlab's C++ operators: no C++ compiler on PATH "
                       f"({', '.join(COMPILERS)}; or set CXX)")
     march = os.environ.get("RADARLAB_CPU_MARCH", "native")
+    one_unit = os.environ.get("RADARLAB_CPU_OPS_ONE_UNIT") == "1"
     # the real CPU, never an override
     name = f"radarlab_cpu_ops_{march}_{cpu_kind(cpu_flags())}".replace("-", "_")
+    name += "_one_unit" if one_unit else ""
     build = cache_dir() / "kernels" / name
     build.mkdir(parents=True, exist_ok=True)
     _clear_stale_lock(build / "lock")
@@ -100,7 +103,8 @@ def _build():
     if lend:
         os.environ["CXX"] = compiler
     try:
-        cpp_extension.load(name, [str(unity_source(build))], extra_cflags=[*CFLAGS, f"-march={march}"],
+        sources = [unity_source(build)] if one_unit else [CSRC / s for s in SOURCES]
+        cpp_extension.load(name, [str(s) for s in sources], extra_cflags=[*CFLAGS, f"-march={march}"],
                            build_directory=str(build), is_python_module=False, verbose=False)
     except Exception as err:  # no ninja, no headers, a compile error: the reason is in the message
         used = os.environ.get("CXX") or compiler
@@ -113,9 +117,11 @@ def _build():
 
 
 def unity_source(build: Path) -> Path:
-    """The one file the compiler is given, in the build folder: it #includes every source, so the torch
-    headers, most of a build's work, are parsed once rather than once per source. Its first line is a
-    hash of csrc/, so torch's JIT versioning sees an edit to any source or header there."""
+    """One file, in the build folder, that #includes every source: the torch headers, most of a build's
+    work, are parsed once rather than once per source. For builds that are only checked, never timed
+    (the tests' AVX2 and plain-loop builds): the engine's own build keeps a unit per file, as the
+    one-unit library ran the engine a few percent slower at batch 16 in a side-by-side run (not
+    explained). Its first line hashes csrc/, so torch's JIT versioning sees an edit to any file there."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
