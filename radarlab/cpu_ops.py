@@ -28,8 +28,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-# paged_decode.cpp last: in the one translation unit they are built as, its `using namespace` reaches no
-# other file.
+# paged_decode.cpp last: in a one-unit build (unity_source) its `using namespace` then reaches no other file.
 SOURCES = ("cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp", "paged_decode.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
 # kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
@@ -120,8 +119,8 @@ def unity_source(build: Path) -> Path:
     """One file, in the build folder, that #includes every source: the torch headers, most of a build's
     work, are parsed once rather than once per source. For builds that are only checked, never timed
     (the tests' AVX2 and plain-loop builds): the engine's own build keeps a unit per file, as the
-    one-unit library ran the engine a few percent slower at batch 16 in a side-by-side run (not
-    explained). Its first line hashes csrc/, so torch's JIT versioning sees an edit to any file there."""
+    one-unit library ran the engine slower side by side (not explained). Its first line hashes csrc/,
+    so torch's JIT versioning sees an edit to any file there."""
     digest = hashlib.sha256()
     for path in sorted(CSRC.iterdir()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())

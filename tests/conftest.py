@@ -140,10 +140,7 @@ def heaviest_first(items) -> None:
     """The notebooks' unit first, then the files with a `vllm` or `slow` test, each kept in
     collection order, so that no minutes-long file is left to the end while the other worker waits
     (make test queues the units in this order: --no-loadscope-reorder)."""
-    heavy = {work_unit(item.nodeid) for item in items if "vllm" in item.keywords or "slow" in item.keywords}
-
-    def rank(item) -> int:
-        unit = work_unit(item.nodeid)
-        return 0 if unit == "notebooks" else 1 if unit in heavy else 2
-
-    items.sort(key=rank)
+    unit = {item.nodeid: work_unit(item.nodeid) for item in items}
+    heavy = {unit[item.nodeid] for item in items if "vllm" in item.keywords or "slow" in item.keywords}
+    rank = {u: 0 if u == "notebooks" else 1 if u in heavy else 2 for u in unit.values()}
+    items.sort(key=lambda item: rank[unit[item.nodeid]])
