@@ -93,17 +93,17 @@ def parse_cpuinfo(text: str) -> tuple[str | None, frozenset[str]]:
     (x86) or "Features" (aarch64) line. Every core of one machine lists the same flags."""
     if not isinstance(text, str):
         raise TypeError(f"cpuinfo text must be a str, got {type(text).__name__}")
-    model, flags = None, None
+    model, flags = _first_value(text, ("model name",)), _first_value(text, ("flags", "features"))
+    return model, frozenset(flags.split()) if flags else frozenset()
+
+
+def _first_value(text: str, keys: tuple[str, ...]) -> str | None:
+    """The value of the first "key : value" line of cpuinfo text whose key is one of keys, or None."""
     for line in text.splitlines():
         key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key = key.strip().lower()
-        if key == "model name" and model is None:
-            model = value.strip() or None
-        elif key in ("flags", "features") and flags is None:
-            flags = frozenset(value.split())
-    return model, flags or frozenset()
+        if sep and key.strip().lower() in keys:
+            return value.strip() or None
+    return None
 
 
 def _torch_capabilities() -> dict:
@@ -137,6 +137,16 @@ def cpu_model(cpuinfo: str | None = None) -> str:
     if model is None and cpuinfo is None:
         model = _torch_capabilities().get("cpu_name") or platform.processor() or None
     return model or "unknown"
+
+
+def cpu_vendor(cpuinfo: str | None = None) -> str:
+    """The x86 vendor string ("GenuineIntel", "AuthenticAMD"), from cpuinfo text if given, else
+    /proc/cpuinfo; "unknown" where there is none. Intel's MKL, which torch's fp32 F.linear calls,
+    picks its kernels by vendor, so radarlab's choice of matmul path needs it (models/linear.py)."""
+    text = read_cpuinfo() if cpuinfo is None else cpuinfo
+    if text is not None and not isinstance(text, str):
+        raise TypeError(f"cpuinfo text must be a str, got {type(text).__name__}")
+    return (_first_value(text, ("vendor_id",)) if text is not None else None) or "unknown"
 
 
 def flags_and_arch(flags: dict[str, bool] | None, arch: str | None) -> tuple[dict[str, bool], str]:

@@ -127,14 +127,19 @@ def format_modes(doc: dict) -> str:
     return "\n".join(lines)
 
 
-def dtype_notes(native_bf16: bool | None, upcast_rows: int = 16) -> dict[str, str]:
-    """The dtype tricks a reader must know to read a row, by dtype: on a CPU without bf16
-    instructions, radarlab's bf16 matmuls of upcast_rows+ rows run in fp32 (radarlab.models.linear:
-    16 on AVX2, 64 on AVX-512F; files kept before the bench recorded it are AVX2 runs)."""
+def dtype_notes(native_bf16: bool | None, upcast_rows: int = 16, gemv_rows: int = 0) -> dict[str, str]:
+    """The dtype tricks a reader must know to read a row, by dtype (radarlab.models.linear): on a CPU
+    without bf16 instructions, radarlab's bf16 matmuls of upcast_rows+ rows run in fp32 (16 on AVX2,
+    64 on AVX-512F; files kept before the bench recorded it are AVX2 runs); on an Intel CPU, its fp32
+    matmuls of fewer than gemv_rows rows take MKL's GEMV instead of the packed GEMM."""
+    notes = {}
     if native_bf16 is False:
-        return {"bfloat16": f"radarlab's bf16 matmuls of {upcast_rows}+ rows run in fp32: this "
-                            "CPU has no bf16 instructions"}
-    return {}
+        notes["bfloat16"] = (f"radarlab's bf16 matmuls of {upcast_rows}+ rows run in fp32: this CPU has no "
+                             "bf16 instructions")
+    if gemv_rows > 0:
+        notes["float32"] = (f"radarlab's fp32 matmuls of fewer than {gemv_rows} rows take MKL's GEMV "
+                            "(F.linear), not the packed GEMM: this CPU is Intel's")
+    return notes
 
 
 @dataclass(frozen=True)
@@ -386,13 +391,14 @@ def report(config: ThroughputConfig, measurements: list[Measurement], info: dict
     import torch
 
     from radarlab.lab.machine import environment
-    from radarlab.models.linear import cpu_has_native_half, upcast_min_rows
+    from radarlab.models.linear import cpu_has_native_half, mkl_gemv_rows, upcast_min_rows
 
     env = environment()
     env["torch_threads"] = torch.get_num_threads()
     env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
     env["cpu_native_bf16"] = cpu_has_native_half()
-    env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"], upcast_min_rows())
+    env["fp32_gemv_rows"] = mkl_gemv_rows()
+    env["dtype_notes"] = dtype_notes(env["cpu_native_bf16"], upcast_min_rows(), env["fp32_gemv_rows"])
     env["radarlab_cpu_ops"] = cpu_ops_status()
     for system in VLLM_EAGER:
         env.update({f"{system}_{k}": v for k, v in info.get(system, {}).items()})

@@ -17,7 +17,7 @@ from __future__ import annotations
 import platform
 from dataclasses import dataclass
 
-from radarlab.device import cpu_arch, cpu_flags, cpu_kind, cpu_model, flags_and_arch
+from radarlab.device import cpu_arch, cpu_flags, cpu_kind, cpu_model, cpu_vendor, flags_and_arch
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,7 @@ def environment() -> dict:
         "device_name": info.name,
         "full_scale": info.full_scale,
         "cpu_model": cpu_model(),
+        "cpu_vendor": cpu_vendor(),
         "cpu_arch": cpu_arch(),
         "cpu_kind": cpu_kind(flags),
         "cpu_flags": flags,

@@ -15,8 +15,9 @@ same order, so its logits are bit-identical to Llama.forward's (tests/models/tes
 What it covers: a Llama on a CPU with radarlab's C++ operators, over a 16/32-bit paged pool on the
 torch backend (CpuBackend, or TorchSDPABackend where the pool's C++ write is off). Anything else
 (quantized or rotated formats, Triton, a backend of one's own) runs Llama.forward; replay_refusal
-says why. Where a matmul's path depends on its rows (bf16 on a CPU without bf16 instructions), both
-paths are captured and each step's rows pick one, by the eager model's rule (models/linear.py).
+says why. Where a matmul's path depends on its rows (bf16 on a CPU without bf16 instructions, fp32
+on an Intel CPU), both paths are captured and each step's rows pick one, by the eager model's rule
+(models/linear.py).
 
 When it captures again. The capture holds the weights as they were. Each step compares every
 parameter's storage and version counter with the capture's and captures again when one changed
@@ -38,7 +39,7 @@ from radarlab.attention.backends import BACKENDS, backend_of, ensure_built
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.input_batch import StepInputs
-from radarlab.models.linear import Linear, PackedWeight, packed_path, path_depends_on_rows, upcast_min_rows
+from radarlab.models.linear import Linear, PackedWeight, packed_path, path_switch_rows, upcasts
 from radarlab.models.llama import Llama, check_inputs
 
 REPLAYED_BACKENDS = (BACKENDS["cpu"], BACKENDS["torch_sdpa"])
@@ -88,20 +89,35 @@ def _forwards(layers: tuple[Linear, ...]) -> Callable:
     return lambda x: tuple(f(x) for f in forwards)
 
 
-def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
-    """The layers' matmul as the eager model runs it (fused_linear, Linear.forward): the packed GEMM
-    where the weights pack, else Linear.forward. Where the rows choose the path (bf16 on a CPU
-    without bf16 instructions), the step's rows pick between the two captured paths."""
-    dims = (layers[0].in_features,)
-    dtype = layers[0].weight.dtype
-    if path_depends_on_rows(layers[0].weight):
-        packs = packed_path(torch.empty(1, *dims, dtype=dtype), layers, check_hooks=False)
-        small = _gemm(layers, packed) if packs else _forwards(layers)
-        large, rows = _forwards(layers), upcast_min_rows()  # Linear.forward upcasts from `rows` rows
-        return lambda x: small(x) if x.shape[0] < rows else large(x)
-    if not packed_path(torch.empty(0, *dims, dtype=dtype), layers, check_hooks=False):
+def _plain(layers: tuple[Linear, ...]) -> Callable:
+    """x -> each layer's output through F.linear on its own weight, as Linear.forward runs it where
+    neither the packed nor the fp32 path is taken."""
+    weights = tuple((m.weight, m.bias) for m in layers)
+    if len(weights) == 1:
+        (w, b), = weights
+        return lambda x: F.linear(x, w, b)
+    return lambda x: tuple(F.linear(x, w, b) for w, b in weights)
+
+
+def _path(layers: tuple[Linear, ...], packed: PackedWeight | None, rows: int) -> Callable:
+    """The layers' matmul at this many rows, as the eager model runs it (fused_linear, Linear.forward)."""
+    x = torch.empty(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
+    if packed_path(x, layers, check_hooks=False):
+        return _gemm(layers, packed)
+    if any(upcasts(x, m.weight) for m in layers):
         return _forwards(layers)
-    return _gemm(layers, packed)
+    return _plain(layers)
+
+
+def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
+    """The layers' matmul as the eager model runs it. Where the rows choose the path (bf16 on a CPU
+    without bf16 instructions, fp32 on an Intel CPU), both paths are captured and each step's rows
+    pick one."""
+    switch = path_switch_rows(layers[0].weight)
+    if switch is None:
+        return _path(layers, packed, 1)
+    small, large = _path(layers, packed, switch - 1), _path(layers, packed, switch)
+    return lambda x: small(x) if x.shape[0] < switch else large(x)
 
 
 class ReplayedModel:

@@ -107,6 +107,9 @@ def test_bf16_rows_say_when_their_matmuls_run_in_fp32():
     assert format_table(doc).splitlines()[0] == "output tokens/s, bfloat16"
     assert dtype_notes(True) == {} and set(dtype_notes(False)) == {"bfloat16"}
     assert "matmuls of 64+ rows" in dtype_notes(False, 64)["bfloat16"]
+    intel = dtype_notes(True, 64, 4)  # Intel's fp32 GEMV rule: a note on fp32 rows, whatever the bf16 rule
+    assert set(intel) == {"float32"} and "fewer than 4 rows take MKL's GEMV" in intel["float32"]
+    assert set(dtype_notes(False, 64, 4)) == {"bfloat16", "float32"}
 
 
 def test_results_path_is_one_file_per_cpu_kind():

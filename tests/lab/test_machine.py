@@ -12,13 +12,23 @@ import json
 import pytest
 
 from radarlab import device
-from radarlab.device import X86_FLAGS, cpu_arch, cpu_flags, cpu_kind, cpu_kinds, cpu_model, parse_cpuinfo
+from radarlab.device import (
+    X86_FLAGS,
+    cpu_arch,
+    cpu_flags,
+    cpu_kind,
+    cpu_kinds,
+    cpu_model,
+    cpu_vendor,
+    parse_cpuinfo,
+)
 from radarlab.lab.machine import ATTENTION_ISAS, attention_isas_supported, environment, isa_missing
 from radarlab.validate import vllm_worker
 
 
 def _two_processors(model: str, flags: str) -> str:
-    return "".join(f"processor\t: {i}\nvendor_id\t: x\nmodel name\t: {model}\nflags\t\t: {flags}\n"
+    vendor = "GenuineIntel" if model.startswith("Intel") else "AuthenticAMD"
+    return "".join(f"processor\t: {i}\nvendor_id\t: {vendor}\nmodel name\t: {model}\nflags\t\t: {flags}\n"
                    f"bogomips\t: 4000.00\n\n" for i in range(2))
 
 
@@ -65,6 +75,17 @@ def test_model_name():
     assert cpu_model(AVX512_BF16) == "AMD EPYC"
     assert cpu_model(AARCH64) == "unknown"  # aarch64's cpuinfo has no model name line
     assert parse_cpuinfo("") == (None, frozenset())
+
+
+def test_vendor():
+    """The vendor picks radarlab's fp32 matmul path at a few rows (models/linear.py)."""
+    assert cpu_vendor(AMX) == "GenuineIntel"
+    assert cpu_vendor(AVX2_ONLY) == cpu_vendor(AVX512_BF16) == "AuthenticAMD"
+    assert cpu_vendor(AARCH64) == cpu_vendor("") == "unknown"  # aarch64's cpuinfo has no vendor_id line
+    assert cpu_vendor("vendor_id\t:\nvendor_id\t: GenuineIntel\n") == "unknown"  # the first line counts
+    assert cpu_vendor() == environment()["cpu_vendor"] != ""
+    with pytest.raises(TypeError, match="cpuinfo text must be a str"):
+        cpu_vendor(b"vendor_id: GenuineIntel")
 
 
 def test_aarch64_runs_neon_and_the_generic_kernels():

@@ -17,13 +17,20 @@ needs_onednn = pytest.mark.skipif(not linear.onednn_packed_gemm(),
 
 # The three kinds of x86 CPU as the bf16 rule sees them: (bf16 instructions, oneDNN bf16 GEMMs).
 CPU_CLASSES = {"avx512_bf16": (True, True), "avx512": (False, True), "avx2": (False, False)}
+# The vendors as the fp32 rule sees them (cpuinfo's vendor_id).
+INTEL, AMD = "GenuineIntel", "AuthenticAMD"
 
 
-def as_cpu(monkeypatch, kind: str) -> None:
+def as_vendor(monkeypatch, vendor: str) -> None:
+    monkeypatch.setattr(linear, "mkl_gemv_rows", lambda: linear.gemv_rows_for(vendor))
+
+
+def as_cpu(monkeypatch, kind: str, vendor: str = AMD) -> None:
     native, onednn = CPU_CLASSES[kind]
     monkeypatch.setattr(linear, "cpu_has_native_half", lambda: native)
     monkeypatch.setattr(linear, "onednn_bf16", lambda: onednn)
     monkeypatch.setattr(linear, "onednn_packed_gemm", lambda: True)
+    as_vendor(monkeypatch, vendor)
 
 
 @pytest.fixture
@@ -68,10 +75,40 @@ def test_which_path(monkeypatch, kind, dtype, rows, expected):
     w = torch.zeros(4, 8, dtype=dtype)
     assert linear.upcasts(torch.zeros(rows, 8, dtype=dtype), w) is expected
     assert linear.upcasts(torch.zeros(2, rows // 2 or 1, 8, dtype=dtype), w) is (expected and rows % 2 == 0)
-    assert linear.path_depends_on_rows(w) is (dtype != torch.float32 and kind != "avx512_bf16")
+    depends = dtype != torch.float32 and kind != "avx512_bf16"
+    assert linear.path_switch_rows(w) == (linear.upcast_min_rows() if depends else None)
     with torch.no_grad():  # bf16 packs where oneDNN has bf16 GEMMs and the matmul does not upcast
         packs = linear.packs(torch.zeros(rows, 8, dtype=dtype), w)
     assert packs is (dtype == torch.float32 or (dtype == torch.bfloat16 and kind != "avx2" and not expected))
+
+
+def test_gemv_rule_by_vendor():
+    assert linear.gemv_rows_for(INTEL) == linear.MKL_GEMV_ROWS == 4
+    for vendor in (AMD, "HygonGenuine", "unknown", ""):
+        assert linear.gemv_rows_for(vendor) == 0
+    with pytest.raises(TypeError, match="vendor"):
+        linear.gemv_rows_for(None)
+    # this machine: the rule its vendor gives, whichever vendor that is
+    assert linear.mkl_gemv_rows() == linear.gemv_rows_for(linear.cpu_vendor())
+
+
+@pytest.mark.parametrize("kind", sorted(CPU_CLASSES))
+@pytest.mark.parametrize("vendor", [INTEL, AMD])
+def test_fp32_path_by_vendor_and_rows(monkeypatch, kind, vendor):
+    """fp32 takes F.linear below MKL_GEMV_ROWS rows on Intel CPUs and packs from there; on AMD it
+    always packs. The bf16 rule is the same for both vendors."""
+    as_cpu(monkeypatch, kind, vendor)
+    w, bf = torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16)
+    switch = linear.MKL_GEMV_ROWS if vendor == INTEL else None
+    assert linear.path_switch_rows(w) == switch
+    with torch.no_grad():
+        for rows in range(1, 9):
+            assert linear.packs(torch.zeros(rows, 8), w) is (switch is None or rows >= switch)
+            assert linear.packs(torch.zeros(1, rows, 8), w) is (switch is None or rows >= switch)
+        as_cpu(monkeypatch, kind, AMD if vendor == INTEL else INTEL)
+        other = [linear.packs(torch.zeros(rows, 8, dtype=torch.bfloat16), bf) for rows in (1, 16, 64)]
+        as_cpu(monkeypatch, kind, vendor)
+        assert [linear.packs(torch.zeros(rows, 8, dtype=torch.bfloat16), bf) for rows in (1, 16, 64)] == other
 
 
 def test_native_half_cpu_never_upcasts(monkeypatch):
@@ -104,18 +141,25 @@ def fp32_tolerance(x: torch.Tensor, weight: torch.Tensor) -> float:
 
 
 @needs_onednn
-@pytest.mark.parametrize("shape", [(1, 64), (16, 64), (2, 5, 64)])
+@pytest.mark.parametrize("vendor", [INTEL, AMD])
+@pytest.mark.parametrize("shape", [(1, 64), (3, 64), (16, 64), (2, 5, 64)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_fp32_equals_f_linear(shape, bias):
+def test_fp32_equals_f_linear(monkeypatch, vendor, shape, bias):
+    """Both vendors' paths run here, whatever this CPU is: F.linear itself below the rule's rows
+    (bit for bit), the packed GEMM from there (to rounding)."""
+    as_vendor(monkeypatch, vendor)
     torch.manual_seed(0)
     layer = Linear(64, 300, bias=bias)
     x = torch.randn(shape)
+    rows = x.numel() // 64
     with torch.no_grad():
-        assert linear.packs(x, layer.weight, layer.bias)
+        packs = linear.packs(x, layer.weight, layer.bias)
+        assert packs is (vendor == AMD or rows >= linear.MKL_GEMV_ROWS)
         out = layer(x)
     assert out.shape == (*shape[:-1], 300)
+    assert (layer.packed.weight is not None) is packs
     want = F.linear(x, layer.weight, layer.bias)
-    torch.testing.assert_close(out, want, rtol=0, atol=fp32_tolerance(x, layer.weight))
+    torch.testing.assert_close(out, want, rtol=0, atol=fp32_tolerance(x, layer.weight) if packs else 0)
 
 
 @needs_onednn
@@ -208,7 +252,7 @@ def test_copies_leave_the_packed_weight_behind():
 
     torch.manual_seed(0)
     layer = Linear(64, 300, bias=False)
-    x = torch.randn(1, 64)
+    x = torch.randn(linear.MKL_GEMV_ROWS, 64)  # packs on every CPU
     with torch.no_grad():
         out = layer(x)  # packs: the opaque packed tensor cannot be deep-copied
         assert layer.packed.weight is not None

@@ -55,15 +55,19 @@ def _same(a, b) -> bool:
     return torch.equal(a, b)
 
 
-@pytest.mark.parametrize("cpu", ["this CPU", "avx512", "avx2"])
+@pytest.mark.parametrize("cpu", ["this CPU", "avx512", "avx2", "GenuineIntel", "AuthenticAMD"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spec", [None, NGRAM])
 def test_replay_equals_forward_bit_for_bit(tiny, dtype, cpu, spec, monkeypatch):
-    """Prefill in chunks beside decodes, then decode (with n-gram verify steps): every step's logits
-    equal the eager forward's exactly. bf16 as each CPU kind runs it: "avx2" (no oneDNN bf16 GEMM:
-    F.linear, upcast from 16 rows), "avx512" (no bf16 instructions: packed bf16 below 64 rows, the
-    path chosen per call), "this CPU" whatever this machine has."""
-    if cpu != "this CPU":
+    """Prefill in chunks beside decodes, then decode (with n-gram verify steps), then one request
+    alone: every step's logits equal the eager forward's exactly. bf16 as each CPU kind runs it:
+    "avx2" (no oneDNN bf16 GEMM: F.linear, upcast from 16 rows), "avx512" (no bf16 instructions:
+    packed bf16 below 64 rows, the path chosen per call); fp32 as each vendor runs it: "GenuineIntel"
+    (F.linear below 4 rows, packed from 4), "AuthenticAMD" (packed); "this CPU" whatever this machine
+    has."""
+    if cpu in ("GenuineIntel", "AuthenticAMD"):
+        monkeypatch.setattr(linear, "mkl_gemv_rows", lambda: linear.gemv_rows_for(cpu))
+    elif cpu != "this CPU":
         if cpu == "avx512" and not linear.onednn_bf16():
             pytest.skip("oneDNN has no bf16 GEMM on this CPU to run the AVX-512 path with")
         monkeypatch.setattr(linear, "cpu_has_native_half", lambda: False)
@@ -81,8 +85,13 @@ def test_replay_equals_forward_bit_for_bit(tiny, dtype, cpu, spec, monkeypatch):
     assert kinds == {"prefill", "decode"}
     if spec is not None:
         assert any(i.spec_decode_metadata is not None for i, *_ in compared.steps)
+    alone = engine.generate(_prompts(1, model.config.vocab_size), SamplingParams(max_tokens=4,
+                                                                                 ignore_eos=True))
+    rows = [int(i.input_ids.numel()) for i, *_ in compared.steps]
+    assert min(rows) == 1 and max(rows) >= 16  # both sides of every rule's switch
     for inputs, eager, got in compared.steps:
         assert got.dtype == dtype and _same(eager, got)
+    assert len(alone[0].output_token_ids) == 4
     eager_engine = Engine(copy.deepcopy(tiny).to(dtype), num_blocks=64, block_size=8, max_num_seqs=4,
                           max_num_batched_tokens=24, speculative_config=spec, enforce_eager=True)
     assert eager_engine.runner.replay is None and eager_engine.runner.eager_reason == "enforce_eager=True"
