@@ -25,6 +25,7 @@ import pytest
 from radarlab.bench import kv_quant, latency, speculation, throughput
 from radarlab.device import cpu_kind, cpu_kinds
 from radarlab.lab.kept_runs import choose_kept_run, kept_by_kind, results_dir
+from radarlab.models.linear import gemv_rows_for
 from radarlab.validate import vllm_fp8
 
 NUM = (int, float)
@@ -131,6 +132,11 @@ def check_throughput(r: Reader, doc: dict, kind: str) -> None:
     r.get(env, ("environment",), "cpu_capability", str)
     r.get(env, ("environment",), "cpu_native_bf16", bool)
     r.get(env, ("environment",), "dtype_notes", dict, optional=True)
+    rows = r.get(env, ("environment",), "fp32_gemv_rows", int, optional=True)
+    if rows is not None:  # runs since the fp32 rule by vendor (radarlab.models.linear) record both
+        vendor = r.get(env, ("environment",), "cpu_vendor", str)
+        r.check(rows == gemv_rows_for(vendor), ("environment", "fp32_gemv_rows"),
+                f"is {rows}, but the rule gives {gemv_rows_for(vendor)} on a {vendor} CPU")
     systems = r.get(r.get(doc, (), "parameters", dict), ("parameters",), "systems", list)
     unknown = sorted(set(systems) - set(throughput.SYSTEMS))
     r.check(not unknown, ("parameters", "systems"), f"names unknown systems {unknown}")
@@ -585,6 +591,18 @@ def test_the_retired_avx2_run_fails_its_schema():
     old["results"] = [r for r in doc["results"] if r["system"] != "radarlab_torch"]
     with pytest.raises(SchemaError, match=r"results lacks \[\('radarlab_torch'"):
         check_file("throughput-avx512_bf16.json", old)
+
+
+def test_a_throughput_run_must_record_the_fp32_rule_its_vendor_gives():
+    doc = load(kept_by_kind("throughput")["avx512_bf16_amx"].name)
+    assert doc["environment"]["cpu_vendor"] == "GenuineIntel" and doc["environment"]["fp32_gemv_rows"] == 4
+    wrong = copy.deepcopy(doc)
+    wrong["environment"]["fp32_gemv_rows"] = 0
+    with pytest.raises(SchemaError, match="fp32_gemv_rows is 0, but the rule gives 4 on a GenuineIntel CPU"):
+        check_file("throughput-avx512_bf16_amx.json", wrong)
+    del wrong["environment"]["cpu_vendor"]
+    with pytest.raises(SchemaError, match="environment has no key 'cpu_vendor'"):
+        check_file("throughput-avx512_bf16_amx.json", wrong)
 
 
 def test_a_file_named_for_another_cpu_kind_fails():

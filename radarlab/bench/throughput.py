@@ -21,8 +21,9 @@ prefill included, is the figure (vLLM's `benchmark_throughput` reports the same 
   off: the batches share prompts, and a hit would skip work the others do.
 - vllm_eager: the same with enforce_eager=True (no compilation): what compiling buys vLLM.
 
-Each system runs a short warm-up first (vLLM: every batch size once, so that whatever it compiles
-for a shape is compiled before the timed runs). A cell is one generation of one to ten
+Each system runs a short warm-up first, every batch size once (4 new tokens), so that whatever is
+built for a shape (vLLM's compiled graphs, oneDNN's kernels for a row count) is built before the
+timed runs. A cell is one generation of one to ten
 seconds, and a busy moment of a shared machine moves it by ten percent: with --repeats R every
 system runs each cell R times (vLLM in its one process) and the fastest counts; the JSON keeps all
 (seconds_runs). Greedy outputs are compared with radarlab's as a check that the systems did the
@@ -254,7 +255,7 @@ def time_vllm(prompt_sets: list[list[list[int]]], dtype: str, config: Throughput
     batch runs once first as a short warm-up, untimed."""
     from radarlab.validate.vllm import run_vllm
 
-    warmup = list({len(p): p for p in prompt_sets}.values())
+    warmup = warmup_sets(prompt_sets)
     tokens = [_warmup(config).max_tokens] * len(warmup) + [config.max_tokens] * len(prompt_sets)
     response = run_vllm(vllm_request(warmup + prompt_sets, dtype, config, enforce_eager, tokens))
     outputs = [o["token_ids"] for o in response["outputs"]]
@@ -300,14 +301,16 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
         for system, mode in RADARLAB_MODES.items():
             if system in config.systems:
                 model = Llama.from_hf(hf_model)
-                time_radarlab(model, prompt_sets[0][:2], _warmup(config), *mode)
+                for prompts in warmup_sets(prompt_sets):
+                    time_radarlab(model, prompts, _warmup(config), *mode)
                 for prompts in prompt_sets:
                     record(system, prompts, [time_radarlab(model, prompts, config, *mode)
                                              for _ in range(config.repeats)])
                 del model
         if "transformers" in config.systems:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-            time_transformers(hf_model, pad, prompt_sets[0][:2], _warmup(config))
+            for prompts in warmup_sets(prompt_sets):
+                time_transformers(hf_model, pad, prompts, _warmup(config))
             for prompts in prompt_sets:
                 record("transformers", prompts, [time_transformers(hf_model, pad, prompts, config)
                                                  for _ in range(config.repeats)])
@@ -318,6 +321,13 @@ def run(config: ThroughputConfig = ThroughputConfig(), log=print) -> tuple[list[
                 for i, prompts in enumerate(prompt_sets):
                     record(system, prompts, results[i::len(prompt_sets)])
     return measurements, info
+
+
+def warmup_sets(prompt_sets: list[list[list[int]]]) -> list[list[list[int]]]:
+    """One prompt set per distinct batch size: every system warms up on each (a short generation,
+    untimed), so that whatever is built per shape (vLLM's compiled graphs, oneDNN's kernels for a
+    row count) is built before the timed runs, for all systems alike."""
+    return list({len(p): p for p in prompt_sets}.values())
 
 
 def _warmup(config: ThroughputConfig) -> ThroughputConfig:

@@ -185,7 +185,48 @@ def test_end_to_end_every_system(tmp_path, capsys):
     assert "vllm: compiled (mode " in format_run_header(path, doc)
     assert "vllm_eager: eager (enforce_eager=True)" in format_run_header(path, doc)
     assert "of this machine's read bandwidth" in table
-    assert format_table(doc).splitlines()[0] == "output tokens/s, float32"
+    note = f" ({env['dtype_notes']['float32']})" if env["fp32_gemv_rows"] else ""  # Intel's fp32 rule
+    assert format_table(doc).splitlines()[0] == f"output tokens/s, float32{note}"
+
+
+def test_every_system_warms_up_on_every_batch_size(monkeypatch):
+    """The same untimed warm-up for all: each batch size's prompts once, with 4 new tokens, before any
+    timed run (vLLM builds its graphs per shape, oneDNN its kernels per row count)."""
+    import types
+    from dataclasses import make_dataclass
+
+    from radarlab.bench import throughput
+    from radarlab.models import llama, loader
+
+    calls = []
+
+    def timed(system):
+        def run(model_or_hf, *args):
+            prompts, config = (args[1], args[2]) if system == "transformers" else (args[0], args[1])
+            calls.append((system, len(prompts), config.max_tokens))
+            return [[1] * config.max_tokens for _ in prompts], 1.0
+        return run
+
+    def vllm(prompt_sets, dtype, config, eager):
+        calls.append(("vllm", [len(p) for p in throughput.warmup_sets(prompt_sets)]))
+        return [([[1] * config.max_tokens] * len(p), 1.0) for p in prompt_sets], {}
+
+    hf = types.SimpleNamespace(config=types.SimpleNamespace(vocab_size=1000))
+    tokenizer = types.SimpleNamespace(pad_token_id=0, eos_token_id=0)
+    monkeypatch.setattr(loader, "load_hf", lambda model, dtype: (hf, tokenizer))
+    monkeypatch.setattr(llama.Llama, "from_hf", staticmethod(lambda hf_model: object()))
+    monkeypatch.setattr(throughput, "TransformerDims", types.SimpleNamespace(
+        from_config=lambda c: make_dataclass("Dims", [])()))
+    monkeypatch.setattr(throughput, "time_radarlab", timed("radarlab"))
+    monkeypatch.setattr(throughput, "time_transformers", timed("transformers"))
+    monkeypatch.setattr(throughput, "time_vllm", vllm)
+    config = ThroughputConfig(batch_sizes=(1, 3), dtypes=("float32",), max_tokens=8, repeats=2,
+                              systems=("radarlab", "transformers", "vllm"))
+    throughput.run(config, log=lambda line: None)
+    for system in ("radarlab", "transformers"):
+        mine = [(b, t) for s, b, t in (c for c in calls if c[0] == system)]
+        assert mine == [(1, 4), (3, 4)] + [(1, 8)] * 2 + [(3, 8)] * 2, system
+    assert ("vllm", [1, 3]) in calls
 
 
 def test_plot_throughput_draws_one_bar_per_system_and_batch():
