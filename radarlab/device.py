@@ -91,14 +91,14 @@ def read_cpuinfo() -> str | None:
 def parse_cpuinfo(text: str) -> tuple[str | None, frozenset[str]]:
     """(model name, flags) from /proc/cpuinfo text: the first processor's "model name" and "flags"
     (x86) or "Features" (aarch64) line. Every core of one machine lists the same flags."""
-    if not isinstance(text, str):
-        raise TypeError(f"cpuinfo text must be a str, got {type(text).__name__}")
     model, flags = _first_value(text, ("model name",)), _first_value(text, ("flags", "features"))
     return model, frozenset(flags.split()) if flags else frozenset()
 
 
 def _first_value(text: str, keys: tuple[str, ...]) -> str | None:
     """The value of the first "key : value" line of cpuinfo text whose key is one of keys, or None."""
+    if not isinstance(text, str):
+        raise TypeError(f"cpuinfo text must be a str, got {type(text).__name__}")
     for line in text.splitlines():
         key, sep, value = line.partition(":")
         if sep and key.strip().lower() in keys:
@@ -144,8 +144,6 @@ def cpu_vendor(cpuinfo: str | None = None) -> str:
     /proc/cpuinfo; "unknown" where there is none. Intel's MKL, which torch's fp32 F.linear calls,
     picks its kernels by vendor, so radarlab's choice of matmul path needs it (models/linear.py)."""
     text = read_cpuinfo() if cpuinfo is None else cpuinfo
-    if text is not None and not isinstance(text, str):
-        raise TypeError(f"cpuinfo text must be a str, got {type(text).__name__}")
     return (_first_value(text, ("vendor_id",)) if text is not None else None) or "unknown"
 
 

@@ -91,7 +91,7 @@ def _forwards(layers: tuple[Linear, ...]) -> Callable:
 
 def _plain(layers: tuple[Linear, ...]) -> Callable:
     """x -> each layer's output through F.linear on its own weight, as Linear.forward runs it where
-    neither the packed nor the fp32 path is taken."""
+    it neither packs nor upcasts."""
     weights = tuple((m.weight, m.bias) for m in layers)
     if len(weights) == 1:
         (w, b), = weights
