@@ -29,7 +29,8 @@ import torch
 
 CSRC = Path(__file__).with_name("csrc")
 # paged_decode.cpp last: in a one-unit build (unity_source) its `using namespace` then reaches no other file.
-SOURCES = ("cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp", "paged_decode.cpp")
+SOURCES = ("cache_ops.cpp", "layernorm.cpp", "activation.cpp", "rotary.cpp", "gemv.cpp", "argmax.cpp",
+           "paged_decode.cpp")
 # -fopenmp: at::parallel_for is inline OpenMP, run by the libgomp torch has already loaded, so these
 # kernels share torch's threads. -march is added per build. No -ffast-math: -inf and NaN stay IEEE.
 CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")

@@ -46,6 +46,88 @@ def assert_as_torch_rounds(ours, ref, *, identical=0.97, most=1):
     assert float((diff == 0).float().mean()) >= identical
 
 
+def gemv_error(ops, seed: int = 0) -> dict:
+    """radarlab's GEMV against the same matmul in fp64, over 1-4 rows, K with and without a vector tail,
+    three weights side by side (blocks cut short by each weight's end), with and without a bias:
+    {dtype: largest error beyond one rounding to the dtype (eps |exact|), relative to sum |x w|}. An
+    fp32 sum of K products is off by at most about K * 2^-24 of that sum (in practice far less); the
+    order of the sums differs between vector widths, so it is a bound, not bits. The other-ISA builds
+    call it too (tests/attention/test_cpu_decode.py)."""
+    g = torch.Generator().manual_seed(seed)
+    worst = {}
+    for dtype in DTYPES:
+        for rows in (1, 2, 3, 4):
+            for k, outs in ((100, (40, 8, 13)), (576, (64, 576 // 3, 21))):
+                x = torch.randn(rows, k, generator=g).to(dtype)
+                ws = [(torch.randn(n, k, generator=g) * 0.1).to(dtype) for n in outs]
+                for bias in (None, torch.randn(sum(outs), generator=g).to(dtype)):
+                    got = ops.gemv(x, ws, bias).double()
+                    w = torch.cat(ws).double()
+                    b = torch.zeros(()) if bias is None else bias.double()
+                    exact = x.double() @ w.T + b
+                    scale = x.double().abs() @ w.abs().T + b.abs()
+                    beyond = ((got - exact).abs() - torch.finfo(dtype).eps * exact.abs()).clamp(min=0)
+                    worst[str(dtype)] = max(worst.get(str(dtype), 0.0), float((beyond / scale).max()))
+    return worst
+
+
+def argmax_agrees(ops, seed: int = 0) -> bool:
+    """argmax_rows equals torch's fp32 argmax, in every dtype, on random rows, ties, NaNs and -inf."""
+    g = torch.Generator().manual_seed(seed)
+    for dtype in DTYPES:
+        for v in (1, 7, 16, 33, 1000):
+            x = torch.randn(5, v, generator=g).to(dtype)
+            x[1] = torch.randint(0, 2, (v,), generator=g).to(dtype)
+            x[2] = float("-inf")
+            x[3, v // 2] = float("nan")
+            if not torch.equal(ops.argmax_rows(x), x.float().argmax(-1)):
+                return False
+    return True
+
+
+def test_gemv_equals_the_fp64_matmul_rounded_once():
+    """Sums in fp32, rounded once to the dtype: beyond that rounding, within 1e-6 of sum |x w| (a
+    16-bit GEMV that rounded its products or partial sums would be ~1e-3 off)."""
+    worst = gemv_error(load_cpu_ops())
+    assert all(e < 1e-6 for e in worst.values()), worst
+
+
+def test_gemv_matches_f_linear_on_one_weight():
+    ops = load_cpu_ops()
+    x, w = torch.randn(3, 64), torch.randn(48, 64)
+    torch.testing.assert_close(ops.gemv(x, [w]), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_gemv_bad_inputs_raise_and_name_the_problem():
+    ops = load_cpu_ops()
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="1 to 4 rows, got 5"):
+        ops.gemv(torch.randn(5, 8), [w])
+    with pytest.raises(RuntimeError, match=r"weight 1 must be a contiguous \[N, 8\] CPU tensor"):
+        ops.gemv(x, [w, torch.randn(4, 9)])
+    with pytest.raises(RuntimeError, match=r"weight 0 must be a contiguous"):
+        ops.gemv(x, [torch.randn(8, 4).t()])
+    with pytest.raises(RuntimeError, match="weight 0 is BFloat16, x is Float"):
+        ops.gemv(x, [w.bfloat16()])
+    with pytest.raises(RuntimeError, match=r"bias must be a contiguous \[4\] Float CPU tensor"):
+        ops.gemv(x, [w], torch.randn(5))
+    with pytest.raises(RuntimeError, match="x must be a contiguous"):
+        ops.gemv(torch.randn(8, 2).t(), [w])
+    with pytest.raises(RuntimeError, match="no weights"):
+        ops.gemv(x, [])
+    with pytest.raises(RuntimeError, match="expected float32, bfloat16 or float16"):
+        ops.gemv(x.double(), [w.double()])
+
+
+def test_argmax_rows_is_torchs_argmax():
+    ops = load_cpu_ops()
+    assert argmax_agrees(ops)
+    with pytest.raises(RuntimeError, match=r"logits must be a \[rows, vocab\] CPU tensor"):
+        ops.argmax_rows(torch.randn(4, 3).t())
+    with pytest.raises(RuntimeError, match="the vocabulary must have 1 to"):
+        ops.argmax_rows(torch.randn(4, 0))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 37])
 def test_rms_norm_equals_the_torch_code(dtype, rows):

@@ -25,8 +25,10 @@ from typing import Callable
 from radarlab.util import require_int
 
 GROUPS: dict[str, tuple[str, ...]] = {
-    # mkldnn::_linear_pointwise: a linear layer on its pre-packed weight (radarlab.models.linear)
-    "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
+    # mkldnn::_linear_pointwise: a linear layer on its pre-packed weight; radarlab::gemv: one of a few
+    # rows (radarlab.models.linear)
+    "matmuls (linear layers, LM head)": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise",
+                                         "radarlab::gemv"),
     "attention: gather K/V from blocks": ("aten::index", "aten::index_select"),
     "attention: scores, softmax, weighted sum": ("aten::bmm", "aten::_softmax", "aten::masked_fill_",
                                                  "aten::masked_fill",

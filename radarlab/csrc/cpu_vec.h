@@ -54,6 +54,7 @@ inline fvec pow2(fvec n) {  // 2^n for integral n in [-126, 127]
 inline fvec where_gt(fvec x, float t, fvec a, fvec b) { return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, set(t), _CMP_GT_OQ), a); }
 inline fvec where_lt(fvec x, float t, fvec a, fvec b) { return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, set(t), _CMP_LT_OQ), a); }
 inline fvec where_nan(fvec x, fvec a, fvec b) { return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), a); }
+inline fvec where_greater(fvec x, fvec y, fvec a, fvec b) { return _mm512_mask_mov_ps(b, _mm512_cmp_ps_mask(x, y, _CMP_GT_OQ), a); }
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 constexpr int N = 8;
 using fvec = __m256;
@@ -100,6 +101,7 @@ inline fvec pow2(fvec n) {
 inline fvec where_gt(fvec x, float t, fvec a, fvec b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, set(t), _CMP_GT_OQ)); }
 inline fvec where_lt(fvec x, float t, fvec a, fvec b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, set(t), _CMP_LT_OQ)); }
 inline fvec where_nan(fvec x, fvec a, fvec b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, x, _CMP_UNORD_Q)); }
+inline fvec where_greater(fvec x, fvec y, fvec a, fvec b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, y, _CMP_GT_OQ)); }
 #else  // any other CPU: plain loops over 8 lanes, which the compiler vectorizes as it can
 constexpr int N = 8;
 struct fvec { float x[N]; };
@@ -120,6 +122,7 @@ inline fvec pow2(fvec n) { RADARLAB_LANES(std::ldexp(1.f, int(n.x[i]))); }
 inline fvec where_gt(fvec x, float t, fvec a, fvec b) { RADARLAB_LANES(x.x[i] > t ? a.x[i] : b.x[i]); }
 inline fvec where_lt(fvec x, float t, fvec a, fvec b) { RADARLAB_LANES(x.x[i] < t ? a.x[i] : b.x[i]); }
 inline fvec where_nan(fvec x, fvec a, fvec b) { RADARLAB_LANES(std::isnan(x.x[i]) ? a.x[i] : b.x[i]); }
+inline fvec where_greater(fvec x, fvec y, fvec a, fvec b) { RADARLAB_LANES(x.x[i] > y.x[i] ? a.x[i] : b.x[i]); }
 #undef RADARLAB_LANES
 #endif
 

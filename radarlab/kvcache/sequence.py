@@ -65,6 +65,11 @@ class TokenView(SequenceABC):
             raise IndexError(f"token index {index} is outside the {len(self)} tokens")
         return self._ids[self._start + index]
 
+    def __iter__(self):
+        # the list's own iterator: SequenceABC's default indexes one token at a time, in Python, and the
+        # engine copies every request's output tokens at each step
+        return iter(self._ids[self._start:] if self._start else self._ids)
+
     def __eq__(self, other) -> bool:
         return list(self) == list(other) if isinstance(other, (SequenceABC, list)) else NotImplemented
 

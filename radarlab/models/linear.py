@@ -40,6 +40,15 @@ the LM head 2.85 against 2.80 ms; 3 rows 44 against 89 us and 36 against 95 us; 
 80 us and 72 against 93 us; on an Intel Xeon with AVX-512F a whole eager decode step at batch 1 went
 from 44.1 to 33.7 ms; on an AMD EPYC, 1 row, [576 -> 3072] 95 against 51 us. mkl_gemv_rows() holds
 the rule (by vendor, so it is the same on every run of one machine and can be tested for both here).
+
+radarlab's GEMV at one to four rows. Where the caller passes radarlab's C++ operators (the model does
+wherever they run), matmuls of at most GEMV_MAX_ROWS rows take torch.ops.radarlab.gemv (csrc/gemv.cpp)
+instead of all of the above, on every CPU kind and vendor: at those rows a matmul streams its weight
+once, and a kernel built for that, prefetching the next weight rows, streams it faster than the GEMM
+libraries. Measured on an Intel Xeon with AMX, 2 threads, the course model's 121 matmuls of a decode
+step in turn (weights from memory, not cache), packed -> gemv: bf16 1 row 15.3 -> 12.3 ms, 2 rows 16.3 ->
+12.8, 3 rows 15.2 -> 13.7, 4 rows 15.9 -> 15.5; fp32 (against F.linear's MKL GEMV at 1-3 rows, packed at
+4) 22.9 -> 22.5, 22.3 -> 20.7, 26.2 -> 24.0, 29.2 -> 24.6. Without the operators the rules above stand.
 """
 from __future__ import annotations
 
@@ -55,6 +64,7 @@ from radarlab.device import cpu_vendor
 UPCAST_MIN_ROWS = 16  # AVX2: below this torch's bf16 GEMM is as fast (measured: 1 row 0.36 ms vs 0.84 ms)
 UPCAST_MIN_ROWS_ONEDNN = 64  # AVX-512F without bf16: below this oneDNN's packed bf16 is faster
 MKL_GEMV_ROWS = 4  # Intel CPUs: fp32 matmuls of fewer rows take F.linear (MKL's GEMV)
+GEMV_MAX_ROWS = 4  # matmuls of at most this many rows take radarlab's GEMV where the C++ operators run
 # oneDNN picks the packed layout for an expected row count. In fp32, 64 was fastest at 1, 16 and 64
 # rows alike (1 row: 59 us vs 79 us packed for 1; 16 rows: 132 us vs 208 us, on [576 -> 3072]); bf16
 # did not care (within 5%).
@@ -142,6 +152,30 @@ def path_switch_rows(weight: torch.Tensor) -> int | None:
     return None
 
 
+def gemv_runs(x: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
+    """Do these layers, applied to x, take radarlab's GEMV (given its C++ operators)? A CPU inference
+    matmul of 1 to GEMV_MAX_ROWS rows in fp32, bf16 or fp16, every weight contiguous in x's dtype, and
+    biases all present or all absent."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        return False
+    if not 1 <= x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
+        return False
+    if len({layer.bias is None for layer in layers}) > 1:
+        return False
+    if any(layer.weight.dtype != x.dtype or not layer.weight.is_contiguous() for layer in layers):
+        return False
+    grads = torch.is_grad_enabled() and (x.requires_grad or any(
+        p.requires_grad for layer in layers for p in (layer.weight, layer.bias) if p is not None))
+    return not grads  # the GEMV has no backward
+
+
+def gemv(x: torch.Tensor, layers: Sequence[nn.Linear], ops) -> torch.Tensor:
+    """x times the layers' weights side by side (plus biases), through radarlab's GEMV: [..., sum N]."""
+    bias = None if layers[0].bias is None else torch.cat([layer.bias for layer in layers])
+    out = ops.gemv(x.reshape(-1, x.shape[-1]).contiguous(), [layer.weight for layer in layers], bias)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
 def _fingerprint(t: torch.Tensor | None):
     if t is None:
         return None
@@ -186,7 +220,11 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.packed = PackedWeight()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
+        """ops: radarlab's C++ operators (torch.ops.radarlab), for the GEMV at a few rows; None for
+        torch's matmuls alone."""
+        if ops is not None and gemv_runs(x, (self,)):
+            return gemv(x, (self,), ops)
         if packs(x, self.weight, self.bias):
             return self.packed.linear(x, [self.weight], [self.bias])
         if upcasts(x, self.weight):
@@ -195,14 +233,19 @@ class Linear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def fused_linear(x: torch.Tensor, layers: Sequence[Linear], packed: PackedWeight) -> tuple[torch.Tensor, ...]:
-    """Each layer applied to the same x (q/k/v, gate/up), as one packed GEMM on their stacked weights
-    where the packed path runs; `packed` (kept by the parent module) holds the stacked copy. The
+def fused_linear(x: torch.Tensor, layers: Sequence[Linear], packed: PackedWeight,
+                 ops=None) -> tuple[torch.Tensor, ...]:
+    """Each layer applied to the same x (q/k/v, gate/up), as one matmul on their weights side by side:
+    radarlab's GEMV at a few rows where ops (its C++ operators) are given, else one packed GEMM on their
+    stacked weights where the packed path runs; `packed` (kept by the parent module) holds that copy. The
     layers keep their own parameters, so state dicts and module names do not change. One GEMM with
     a wider output beats several: measured with packed weights, fp32 q/k/v [576 -> 576/192/192]
     56 -> 34 us at 1 row and 88 -> 65 us at 16; gate/up [576 -> 2 x 1536] 70 -> 60 us at 1 row."""
+    hooked = any(layer._forward_hooks or layer._forward_pre_hooks for layer in layers)
+    if ops is not None and not hooked and gemv_runs(x, layers):
+        return gemv(x, layers, ops).split([layer.out_features for layer in layers], dim=-1)
     if not packed_path(x, layers):
-        return tuple(layer(x) for layer in layers)
+        return tuple(layer(x, ops) for layer in layers)
     out = packed.linear(x, [layer.weight for layer in layers], [layer.bias for layer in layers])
     return out.split([layer.out_features for layer in layers], dim=-1)
 

@@ -149,7 +149,7 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, kv_cache, meta: AttentionMetadata, ops=None) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed)
+        q, k, v = fused_linear(x, (self.q_proj, self.k_proj, self.v_proj), self.qkv_packed, ops)
         q, k = q.view(t, self.num_heads, self.head_dim), k.view(t, self.num_kv_heads, self.head_dim)
         if ops is not None and not (self.q_proj._forward_hooks or self.k_proj._forward_hooks):
             ops.rotary_embedding(q, k, cos, sin)  # in place, in the qkv GEMM's output: no hook holds q or k
@@ -157,7 +157,7 @@ class Attention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = attention_forward(kv_cache, self.layer, q, k, v, meta, self.scale)
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim), ops)
 
 
 class MLP(nn.Module):
@@ -172,10 +172,10 @@ class MLP(nn.Module):
         self.gate_up_packed = PackedWeight()  # gate and up stacked, for one GEMM
 
     def forward(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self.gate_up_packed)
+        gate, up = fused_linear(x, (self.gate_proj, self.up_proj), self.gate_up_packed, ops)
         if ops is None:
             return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(ops.silu_and_mul(gate, up))
+        return self.down_proj(ops.silu_and_mul(gate, up), ops)
 
 
 class DecoderLayer(nn.Module):
@@ -284,7 +284,7 @@ class Llama(nn.Module):
         x = self.norm(x, ops)
         if logits_indices is not None:
             x = x[logits_indices]
-        return self.lm_head(x)
+        return self.lm_head(x, ops)
 
 
 def check_inputs(config: LlamaConfig, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -24,6 +24,7 @@ from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.kvcache.sequence import Sequence
 from radarlab.models.generate import check_prompts
 from radarlab.models.input_batch import StepInputs, attention_inputs, prepare_inputs, scheduled_token_ids
+from radarlab.models.linear import Linear
 from radarlab.models.llama import final_features
 from radarlab.util import cdiv
 
@@ -49,7 +50,10 @@ def run_model(model, cache: PagedKVCache, inputs: StepInputs, return_features: b
     meta = inputs.attn_metadata
     if return_features:
         features = final_features(model, inputs.input_ids, inputs.positions, cache, meta)
-        return model.lm_head(features[inputs.logits_indices]), features
+        rows = features[inputs.logits_indices]
+        if isinstance(model.lm_head, Linear):  # radarlab's, which takes the C++ operators' GEMV
+            return model.lm_head(rows, model.cpu_ops(rows)), features
+        return model.lm_head(rows), features
     return model(inputs.input_ids, inputs.positions, cache, meta, logits_indices=inputs.logits_indices)
 
 

@@ -15,9 +15,9 @@ same order, so its logits are bit-identical to Llama.forward's (tests/models/tes
 What it covers: a Llama on a CPU with radarlab's C++ operators, over a 16/32-bit paged pool on the
 torch backend (CpuBackend, or TorchSDPABackend where the pool's C++ write is off). Anything else
 (quantized or rotated formats, Triton, a backend of one's own) runs Llama.forward; replay_refusal
-says why. Where a matmul's path depends on its rows (bf16 on a CPU without bf16 instructions, fp32
-on an Intel CPU), both paths are captured and each step's rows pick one, by the eager model's rule
-(models/linear.py).
+says why. A matmul's path depends on its rows (radarlab's GEMV up to four, then oneDNN's packed GEMM,
+or fp32 math for bf16 on a CPU without bf16 instructions from enough rows): each path is captured and
+each step's rows pick one, by the eager model's rule (models/linear.py).
 
 When it captures again. The capture holds the weights as they were. Each step compares every
 parameter's storage and version counter with the capture's and captures again when one changed
@@ -39,7 +39,15 @@ from radarlab.attention.backends import BACKENDS, backend_of, ensure_built
 from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
 from radarlab.kvcache.paged_cache import PagedKVCache
 from radarlab.models.input_batch import StepInputs
-from radarlab.models.linear import Linear, PackedWeight, packed_path, path_switch_rows, upcasts
+from radarlab.models.linear import (
+    GEMV_MAX_ROWS,
+    Linear,
+    PackedWeight,
+    gemv_runs,
+    packed_path,
+    path_switch_rows,
+    upcasts,
+)
 from radarlab.models.llama import Llama, check_inputs
 
 REPLAYED_BACKENDS = (BACKENDS["cpu"], BACKENDS["torch_sdpa"])
@@ -99,9 +107,24 @@ def _plain(layers: tuple[Linear, ...]) -> Callable:
     return lambda x: tuple(F.linear(x, w, b) for w, b in weights)
 
 
-def _path(layers: tuple[Linear, ...], packed: PackedWeight | None, rows: int) -> Callable:
-    """The layers' matmul at this many rows, as the eager model runs it (fused_linear, Linear.forward)."""
+def _gemv(layers: tuple[Linear, ...], ops) -> Callable:
+    """x -> each layer's output through radarlab's GEMV on the weights side by side, as fused_linear
+    and Linear.forward run it at a few rows."""
+    weights = [m.weight for m in layers]
+    bias = None if layers[0].bias is None else torch.cat([m.bias for m in layers])
+    gemv = ops.gemv
+    if len(layers) == 1:
+        return lambda x: gemv(x, weights, bias)
+    sizes = [m.out_features for m in layers]
+    return lambda x: gemv(x, weights, bias).split(sizes, dim=-1)
+
+
+def _path(layers: tuple[Linear, ...], packed: PackedWeight | None, rows: int, ops) -> Callable:
+    """The layers' matmul at this many rows, as the eager model runs it with radarlab's C++ operators
+    (fused_linear, Linear.forward)."""
     x = torch.empty(rows, layers[0].in_features, dtype=layers[0].weight.dtype)
+    if gemv_runs(x, layers):
+        return _gemv(layers, ops)
     if packed_path(x, layers, check_hooks=False):
         return _gemm(layers, packed)
     if any(upcasts(x, m.weight) for m in layers):
@@ -109,15 +132,17 @@ def _path(layers: tuple[Linear, ...], packed: PackedWeight | None, rows: int) ->
     return _plain(layers)
 
 
-def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None) -> Callable:
-    """The layers' matmul as the eager model runs it. Where the rows choose the path (bf16 on a CPU
-    without bf16 instructions, fp32 on an Intel CPU), both paths are captured and each step's rows
-    pick one."""
+def _linear(layers: tuple[Linear, ...], packed: PackedWeight | None, ops) -> Callable:
+    """The layers' matmul as the eager model runs it. The rows choose the path: radarlab's GEMV up to
+    GEMV_MAX_ROWS, then, where the rows choose again (bf16 on a CPU without bf16 instructions), the
+    path below and from path_switch_rows. Each path is captured and each step's rows pick one."""
+    few = _path(layers, packed, 1, ops)
     switch = path_switch_rows(layers[0].weight)
-    if switch is None:
-        return _path(layers, packed, 1)
-    small, large = _path(layers, packed, switch - 1), _path(layers, packed, switch)
-    return lambda x: small(x) if x.shape[0] < switch else large(x)
+    if switch is None or switch <= GEMV_MAX_ROWS + 1:
+        more = _path(layers, packed, GEMV_MAX_ROWS + 1, ops)
+        return lambda x: few(x) if x.shape[0] <= GEMV_MAX_ROWS else more(x)
+    small, large = _path(layers, packed, switch - 1, ops), _path(layers, packed, switch, ops)
+    return lambda x: few(x) if x.shape[0] <= GEMV_MAX_ROWS else small(x) if x.shape[0] < switch else large(x)
 
 
 class ReplayedModel:
@@ -141,20 +166,20 @@ class ReplayedModel:
     def capture(self) -> None:
         """Resolve every weight, pool slice and operator of a step, now."""
         m, cfg = self.model, self.model.config
+        self.ops = ops = load_cpu_ops()
         self.key = self._weights_key()
         self.layers = []
         for i, layer in enumerate(m.layers):
             a, mlp = layer.self_attn, layer.mlp
-            qkv = _linear((a.q_proj, a.k_proj, a.v_proj), a.qkv_packed)
+            qkv = _linear((a.q_proj, a.k_proj, a.v_proj), a.qkv_packed, ops)
             self.layers.append((layer.input_layernorm.weight, qkv, self.cache.k[i], self.cache.v[i],
-                                _linear((a.o_proj,), None),
+                                _linear((a.o_proj,), None, ops),
                                 layer.post_attention_layernorm.weight,
-                                _linear((mlp.gate_proj, mlp.up_proj), mlp.gate_up_packed),
-                                _linear((mlp.down_proj,), None)))
-        self.lm_head = _linear((m.lm_head,), None)
+                                _linear((mlp.gate_proj, mlp.up_proj), mlp.gate_up_packed, ops),
+                                _linear((mlp.down_proj,), None, ops)))
+        self.lm_head = _linear((m.lm_head,), None, ops)
         self.embed, self.norm = m.embed_tokens.weight, m.norm.weight
         self.shape = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, cfg.head_dim ** -0.5)
-        self.ops = load_cpu_ops()
         self.captures += 1
 
     def hooked(self) -> bool:

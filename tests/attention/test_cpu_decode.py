@@ -161,7 +161,7 @@ _OTHER_ISA = textwrap.dedent("""
     from radarlab.attention.cpu_decode import paged_decode_cpu
     from radarlab.models.llama import RMSNorm, apply_rope
     from test_paged_attention import make_case
-    from test_cpu_ops import ulps
+    from test_cpu_ops import argmax_agrees, gemv_error, ulps
     ops = load_cpu_ops()
     errors = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -189,7 +189,8 @@ _OTHER_ISA = textwrap.dedent("""
         want = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         ops.rotary_embedding(q, k, cos, sin)
         fused_ulps.append(max(int(ulps(q, want[0]).max()), int(ulps(k, want[1]).max())))
-    print(json.dumps({{"attention": errors, "fused_ulps": fused_ulps}}))
+    print(json.dumps({{"attention": errors, "fused_ulps": fused_ulps, "gemv": gemv_error(ops),
+                      "argmax": argmax_agrees(ops)}}))
 """)
 
 
@@ -228,7 +229,7 @@ def other_isa_runs(tmp_path_factory):
 def test_the_other_vector_paths_equal_the_reference(name, other_isa_runs):
     """The AVX2 build (what an AVX2-only CPU compiles) and the plain-loop build (no AVX at all), each
     in a child process, on this machine's CPU (which can run both): the decode kernel against fp32
-    math, the fused operators against the torch code."""
+    math, the fused operators against the torch code, the GEMV against fp64, the argmax against torch."""
     if name not in other_isa_runs:
         pytest.skip("needs an x86-64 CPU (with AVX2 for the haswell build)")
     returncode, out, err = other_isa_runs[name]
@@ -236,6 +237,9 @@ def test_the_other_vector_paths_equal_the_reference(name, other_isa_runs):
     result = json.loads(out.strip().splitlines()[-1])
     assert len(result["attention"]) == 18 and max(result["attention"]) < TOL
     assert len(result["fused_ulps"]) == 6 and max(result["fused_ulps"]) <= 2, result["fused_ulps"]
+    gemv = result["gemv"]  # the GEMV and the greedy argmax, as test_cpu_ops checks the native build
+    assert all(e < 1e-6 for e in gemv.values()), gemv
+    assert result["argmax"] is True
 
 
 @pytest.mark.slow

@@ -298,3 +298,74 @@ def test_a_forward_hook_on_a_fused_member_still_fires():
     with torch.no_grad():
         outs = fused_linear(torch.randn(3, 8), layers, PackedWeight())
     assert len(seen) == 1 and torch.equal(seen[0], outs[1])
+
+
+# --- radarlab's GEMV at a few rows (with the C++ operators) ---------------------------------------
+def _ops_or_skip():
+    from radarlab.cpu_ops import cpu_ops_available, load_cpu_ops
+
+    if not cpu_ops_available(warn=False):
+        pytest.skip("radarlab's C++ operators do not build here")
+    return load_cpu_ops()
+
+
+@pytest.fixture
+def count_gemv():
+    """The row counts radarlab's GEMV was called with (wraps the operators' handle)."""
+    ops = _ops_or_skip()
+
+    class Counting:
+        calls = []
+
+        def gemv(self, x, weights, bias=None):
+            self.calls.append(x.shape[0])
+            return ops.gemv(x, weights, bias)
+
+        def __getattr__(self, name):
+            return getattr(ops, name)
+
+    return Counting()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_few_rows_take_the_gemv_and_more_rows_do_not(dtype, bias, count_gemv):
+    """With the operators, 1 to GEMV_MAX_ROWS rows (a [2, 2, K] input is 4 rows) take the GEMV on every
+    CPU kind and vendor, equal to calling it directly; more rows, no operators, or gradients take the
+    torch paths."""
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=bias).to(dtype)
+    with torch.no_grad():
+        for shape in ((1, 64), (3, 64), (2, 2, 64)):
+            x = torch.randn(shape).to(dtype)
+            out = layer(x, count_gemv)
+            want = count_gemv.gemv(x.reshape(-1, 64), [layer.weight], layer.bias).view(out.shape)
+            assert torch.equal(out, want)
+            b = None if layer.bias is None else layer.bias.float()
+            torch.testing.assert_close(out.float(), F.linear(x.float(), layer.weight.float(), b),
+                                       rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2)
+        assert count_gemv.calls == [1, 1, 3, 3, 4, 4]
+        layer(torch.randn(linear.GEMV_MAX_ROWS + 1, 64).to(dtype), count_gemv)
+        layer(torch.randn(2, 64).to(dtype))  # no operators given
+    assert len(count_gemv.calls) == 6
+    x = torch.randn(2, 64).to(dtype).requires_grad_()
+    assert layer(x, count_gemv).requires_grad and len(count_gemv.calls) == 6  # autograd: F.linear
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_layers_take_one_gemv_on_their_weights_side_by_side(bias, count_gemv):
+    torch.manual_seed(0)
+    layers = [Linear(64, n, bias=bias) for n in (96, 32, 32)]
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        outs = fused_linear(x, layers, PackedWeight(), count_gemv)
+        assert count_gemv.calls == [2]  # one call for the three
+        for layer, out in zip(layers, outs):
+            torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        mixed = [Linear(64, 8, bias=True), Linear(64, 8, bias=False)]  # biases must be all or none
+        fused_linear(x, mixed, PackedWeight(), count_gemv)
+        assert count_gemv.calls == [2, 2, 2]  # each on its own GEMV
+        seen = []
+        layers[1].register_forward_hook(lambda module, args, out: seen.append(out))
+        outs = fused_linear(x, layers, PackedWeight(), count_gemv)  # a hook: each member is called
+        assert len(seen) == 1 and torch.equal(seen[0], outs[1]) and count_gemv.calls == [2, 2, 2, 2, 2, 2]

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from radarlab.sample.sampler import apply_top_k_top_p, sample
+from radarlab.sample import sampler
+from radarlab.sample.sampler import apply_top_k_top_p, greedy_tokens, sample
 from radarlab.sample.sampling_params import SamplingParams
 
 
@@ -59,3 +60,33 @@ def test_greedy_rows_pick_the_first_largest_logit_in_any_dtype(dtype):
     want = logits.float().argmax(-1).tolist()
     assert got[0] == 7 and got[1] == 12 == want[1] and got[3] == want[3]
     assert 0 <= got[2] < 300
+
+
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp_argmax", "torch_argmax"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_greedy_tokens_are_torchs_argmax_with_or_without_the_operators(dtype, cpp, monkeypatch):
+    """The C++ argmax (where the operators build) and torch's fp32 argmax give the same rows: the first
+    of equal maxima, the first NaN in a row with one, index 0 in a row of -inf, rows read through a
+    row stride (a slice of wider logits), vocabularies that are and are not whole vectors."""
+    from radarlab.cpu_ops import cpu_ops_available
+
+    if cpp and not cpu_ops_available(warn=False):
+        pytest.skip("radarlab's C++ operators do not build here")
+    if not cpp:
+        monkeypatch.setattr(sampler, "cpu_ops_available", lambda *a, **k: False)
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(9, 1000, generator=g).to(dtype)
+    logits = wide[:, :997]  # a row stride of 1000, a vocabulary of 997 (a vector tail)
+    logits[0] = 0.0  # all equal: index 0
+    logits[1] = float("-inf")
+    logits[2, [5, 700, 996]] = 9.0  # ties: the first
+    logits[3, [40, 10]] = float("nan")  # the first NaN, ahead of any value
+    logits[4, 996] = float("nan")  # a NaN in the tail
+    logits[5, 996] = 50.0  # the largest in the tail
+    logits[6] = torch.randint(0, 3, (997,), generator=g).to(dtype)  # many ties
+    want = [0, 0, 5, 10, 996, 996]
+    got = greedy_tokens(logits)
+    assert got[:6] == want
+    assert got == logits.float().argmax(-1).tolist()
+    short = torch.tensor([[1.0, 3.0, 3.0]], dtype=dtype)  # shorter than a vector
+    assert greedy_tokens(short) == [1]
