@@ -132,14 +132,17 @@ def dtype_notes(native_bf16: bool | None, upcast_rows: int = 16, gemv_rows: int 
     """The dtype tricks a reader must know to read a row, by dtype (radarlab.models.linear): on a CPU
     without bf16 instructions, radarlab's bf16 matmuls of upcast_rows+ rows run in fp32 (16 on AVX2,
     64 on AVX-512F; files kept before the bench recorded it are AVX2 runs); on an Intel CPU, its fp32
-    matmuls of fewer than gemv_rows rows take MKL's GEMV instead of the packed GEMM."""
+    matmuls of fewer than gemv_rows rows take MKL's GEMV instead of the packed GEMM where the C++
+    operators are off (with them, 1-4 rows take radarlab's GEMV; files kept before 2026-12-08 say
+    only the first)."""
     notes = {}
     if native_bf16 is False:
         notes["bfloat16"] = (f"radarlab's bf16 matmuls of {upcast_rows}+ rows run in fp32: this CPU has no "
                              "bf16 instructions")
     if gemv_rows > 0:
-        notes["float32"] = (f"radarlab's fp32 matmuls of fewer than {gemv_rows} rows take MKL's GEMV "
-                            "(F.linear), not the packed GEMM: this CPU is Intel's")
+        notes["float32"] = (f"without the C++ operators, radarlab's fp32 matmuls of fewer than {gemv_rows} "
+                            "rows take MKL's GEMV (F.linear), not the packed GEMM: this CPU is Intel's; "
+                            "with them, matmuls of 1-4 rows take radarlab's GEMV")
     return notes
 
 
